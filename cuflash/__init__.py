@@ -1,0 +1,1 @@
+"""cuflash: FlashAttention for the CuPy and NumPy world."""
