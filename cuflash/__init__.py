@@ -1,1 +1,12 @@
-"""cuflash: FlashAttention for the CuPy and NumPy world."""
+"""cuflash: FlashAttention for the CuPy and NumPy world.
+
+cuflash.attention(q, k, v) computes exact attention tile by tile with an online softmax, so the n x m score
+matrix never exists in memory.
+"""
+
+from .api import attention
+from .backends import BackendUnavailableError
+from .dtypes import bfloat16
+
+__all__ = ["attention", "BackendUnavailableError", "bfloat16"]
+__version__ = "0.1.0"

@@ -1,0 +1,39 @@
+"""The small registry that picks a backend: from the arrays' module, or forced by name.
+
+A backend is a module with `ARRAYS` ("numpy" or "cupy": the arrays it runs on), `unavailable()` (a sentence
+saying why it cannot run here, or None) and `run(problem, out, lse, block=None)`, which writes the result into
+out ((*batch, n, e) of problem.dtype, possibly strided) and, when lse is not None, the row log-sum-exp into lse.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+NAMES = ("numpy", "cupy", "simt")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The chosen backend cannot run on this machine; the message says why."""
+
+
+def get(name, xp):
+    """The backend module for `name` (None: the one for xp's arrays), checked against the arrays it will get."""
+    arrays = "cupy" if xp.__name__ == "cupy" else "numpy"
+    if name is None:
+        name = arrays
+    if name not in NAMES:
+        raise ValueError(f"attention: unknown backend {name!r}; choose one of {', '.join(map(repr, NAMES))} or None")
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise BackendUnavailableError(f"attention: backend {name!r} is not part of this version of cuflash yet") from None
+    if module.ARRAYS != arrays:
+        hint = "cupy.asarray" if module.ARRAYS == "cupy" else "cupy.asnumpy"
+        raise TypeError(
+            f"attention: backend {name!r} runs on {module.ARRAYS} arrays, got {arrays} arrays; convert them with {hint}")
+    reason = module.unavailable()
+    if reason:
+        raise BackendUnavailableError(f"attention: backend {name!r} is unavailable: {reason}")
+    return module

@@ -1,0 +1,227 @@
+"""The front door: cuflash.attention with NumPy's semantics (shapes, broadcasting, dtypes, out=, errors).
+
+It knows NumPy and nothing of kernels: it turns the arguments into one Problem and hands it to a backend.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import backends
+from .dtypes import acc_dtype_of, common_dtype, describe, is_real_float, same_kind
+from .problem import SIGNATURE, Problem, default_scale
+
+NAME = "attention"
+
+
+def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None,
+              out=None, return_lse=False, backend=None, block=None):
+    """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
+
+    A generalized ufunc with signature (n,d),(m,d),(m,e)->(n,e): leading dimensions of q, k, v, mask and bias
+    broadcast by NumPy's rules (k, v with a size-1 head axis express grouped-query attention without copies).
+
+    scale: multiplies q @ k.T; default 1/sqrt(d).
+    causal: key j visible to query i only when j <= i + (m - n) (bottom-right aligned; for n == m the lower
+        triangle). The top-left variant is window=(None, n - m).
+    window: (left, right), None meaning unbounded: key j is visible to query i when
+        i + (m - n) - left <= j <= i + (m - n) + right. With causal=True, right is min(right, 0).
+    mask: bool array broadcastable to (*batch, n, m); True means attend.
+    bias: real array broadcastable to (*batch, n, m), added to the scaled scores.
+    out: array of exactly the result's shape; the result is cast to its dtype with same-kind casting.
+    return_lse: also return lse (*batch, n), the natural log of the sum of exp of each row's final scores
+        (float32, or float64 when computing in float64); -inf for a row with no visible key.
+    backend: None picks from the arrays' module ("numpy" for NumPy arrays, "cupy" for CuPy arrays);
+        "numpy", "cupy" or "simt" forces one.
+    block: (Br, Bc) query and key tile sizes for the backend (see the README for each backend's use).
+
+    Returns out, or (out, lse) with return_lse=True.
+    """
+    xp = array_module(q, k, v, mask, bias, out)
+    q, k, v = (as_array(x, xp) for x in (q, k, v))
+    check_core_dims(q, k, v)
+    dtype = common_dtype(q.dtype, k.dtype, v.dtype, name=NAME)
+    mask = None if mask is None else as_array(mask, xp)
+    bias = None if bias is None else as_array(bias, xp)
+    check_mask_bias_dtypes(mask, bias)
+
+    n, d = q.shape[-2:]
+    m, e = v.shape[-2:]
+    batch = broadcast_batch(q, k, v, mask, bias, n, m)
+    problem = Problem(
+        q=xp.broadcast_to(q.astype(dtype, copy=False), batch + (n, d)),
+        k=xp.broadcast_to(k.astype(dtype, copy=False), batch + (m, d)),
+        v=xp.broadcast_to(v.astype(dtype, copy=False), batch + (m, e)),
+        mask=None if mask is None else broadcast_pair(mask, batch, n, m, xp),
+        bias=None if bias is None else broadcast_pair(bias_operand(bias, dtype), batch, n, m, xp),
+        batch=batch, n=n, m=m, d=d, e=e,
+        dtype=dtype, acc_dtype=acc_dtype_of(dtype),
+        scale=check_scale(scale, d),
+        window=visibility_window(window, causal),
+        xp=xp,
+    )
+    runner = backends.get(backend, xp)
+    result, target = output_for(problem, out, (q, k, v, mask, bias))
+    lse = xp.empty(batch + (n,), dtype=problem.acc_dtype) if return_lse else None
+    if not problem.empty:
+        runner.run(problem, result, lse, block=block)
+    if target is not None and target is not result:
+        xp.copyto(target, result, casting="unsafe")  # same_kind was checked in output_for
+        result = target
+    return (result, lse) if return_lse else result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Array module and operands
+
+
+def array_module(*operands):
+    """numpy or cupy, from the operands that are arrays; mixing the two is a TypeError."""
+    modules = {}
+    for name, x in zip(("q", "k", "v", "mask", "bias", "out"), operands):
+        if x is None:
+            continue
+        modules.setdefault(module_name(x), []).append(name)
+    if "cupy" in modules and "numpy" in modules:
+        raise TypeError(
+            f"{NAME}: operands mix NumPy and CuPy arrays ({', '.join(modules['numpy'])} NumPy; "
+            f"{', '.join(modules['cupy'])} CuPy); move them to one side with cupy.asarray or cupy.asnumpy")
+    if "cupy" in modules:
+        import cupy
+        return cupy
+    return np
+
+
+def module_name(x) -> str:
+    top = type(x).__module__.split(".")[0]
+    return "cupy" if top == "cupy" else "numpy"
+
+
+def as_array(x, xp):
+    if isinstance(x, xp.ndarray):
+        return x
+    try:
+        return xp.asarray(x)
+    except Exception as exc:  # object sequences, ragged lists ...
+        raise TypeError(f"{NAME}: cannot make an array of {type(x).__name__}: {exc}") from exc
+
+
+def check_core_dims(q, k, v):
+    for index, x in enumerate((q, k, v)):
+        if x.ndim < 2:
+            raise ValueError(
+                f"{NAME}: Input operand {index} does not have enough dimensions (has {x.ndim}, "
+                f"gufunc core with signature {SIGNATURE} requires 2)")
+    d, m = q.shape[-1], k.shape[-2]
+    mismatches = ((1, 1, k.shape[-1], d), (2, 0, v.shape[-2], m))
+    for operand, core_dim, size, expected in mismatches:
+        if size != expected:
+            raise ValueError(
+                f"{NAME}: Input operand {operand} has a mismatch in its core dimension {core_dim}, "
+                f"with gufunc signature {SIGNATURE} (size {size} is different from {expected})")
+
+
+def check_mask_bias_dtypes(mask, bias):
+    if mask is not None and mask.dtype != np.bool_:
+        raise TypeError(
+            f"{NAME}: mask must be a boolean array (True = attend), got {describe(mask.dtype)}; "
+            f"use mask.astype(bool), or pass additive scores as bias=")
+    if bias is not None and not (is_real_float(bias.dtype) or bias.dtype.kind in "biu"):
+        raise TypeError(f"{NAME}: bias must be a real array, got {describe(bias.dtype)}")
+
+
+def bias_operand(bias, dtype):
+    """Integer and bool biases become floats of the computation; float biases keep their dtype."""
+    return bias if is_real_float(bias.dtype) else bias.astype(acc_dtype_of(dtype))
+
+
+def pair_shape(x):
+    """(batch, (rows, cols)) of a mask or bias, as NumPy broadcasting sees it (left-padded to 2 dims)."""
+    shape = (1,) * max(0, 2 - x.ndim) + tuple(x.shape)
+    return shape[:-2], shape[-2:]
+
+
+def broadcast_batch(q, k, v, mask, bias, n, m):
+    shapes = {"q": q.shape[:-2], "k": k.shape[:-2], "v": v.shape[:-2]}
+    for name, x in (("mask", mask), ("bias", bias)):
+        if x is None:
+            continue
+        batch, (rows, cols) = pair_shape(x)
+        if rows not in (1, n) or cols not in (1, m):
+            raise ValueError(
+                f"{NAME}: {name} of shape {tuple(x.shape)} does not broadcast to (*batch, n, m) with n={n}, m={m}; "
+                f"its last two dimensions must be 1 or ({n}, {m})")
+        shapes[name] = batch
+    try:
+        return tuple(np.broadcast_shapes(*shapes.values()))
+    except ValueError:
+        listed = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"{NAME}: batch dimensions could not be broadcast together: {listed}") from None
+
+
+def broadcast_pair(x, batch, n, m, xp):
+    if x.ndim < 2:
+        x = x.reshape((1,) * (2 - x.ndim) + tuple(x.shape))
+    return xp.broadcast_to(x, batch + (n, m))
+
+
+def check_scale(scale, d):
+    if scale is None:
+        return default_scale(d)
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{NAME}: scale must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not np.isfinite(scale):
+        raise ValueError(f"{NAME}: scale must be finite, got {scale}")
+    return scale
+
+
+def visibility_window(window, causal):
+    """(left, right) from window= and causal=; None means unbounded."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"{NAME}: causal must be True or False, got {causal!r}")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"{NAME}: window must be a pair (left, right) of ints or None, got {window!r}")
+        left, right = (check_window_side(side, name) for side, name in zip(window, ("left", "right")))
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left, right
+
+
+def check_window_side(side, name):
+    if side is None:
+        return None
+    if isinstance(side, (bool, np.bool_)) or not isinstance(side, (numbers.Integral, np.integer)):
+        raise ValueError(f"{NAME}: window {name} must be an int or None, got {side!r}")
+    return int(side)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def output_for(problem, out, inputs):
+    """(array the backend writes, user's out or None). A scratch array stands in when out overlaps an input
+    or has another dtype, so the result is right either way."""
+    xp = problem.xp
+    shape = problem.batch + (problem.n, problem.e)
+    if out is None:
+        return xp.empty(shape, dtype=problem.dtype), None
+    if not isinstance(out, xp.ndarray):
+        raise TypeError(f"{NAME}: out must be a {xp.__name__}.ndarray like the inputs, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{NAME}: out has shape {tuple(out.shape)} but the result has shape {shape}")
+    if not same_kind(problem.dtype, out.dtype):
+        raise TypeError(
+            f"Cannot cast ufunc '{NAME}' output from {describe(problem.dtype)} to {describe(out.dtype)} "
+            f"with casting rule 'same_kind'")
+    if xp is np and not out.flags.writeable:
+        raise ValueError(f"{NAME}: out is read-only")
+    overlaps = any(x is not None and xp.may_share_memory(out, x) for x in inputs)
+    if overlaps or out.dtype != problem.dtype:
+        return xp.empty(shape, dtype=problem.dtype), out
+    return out, out

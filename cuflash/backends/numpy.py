@@ -1,0 +1,148 @@
+"""The NumPy backend: the seed's tiled online softmax, vectorized over batch items and query rows with matmul.
+
+Each step holds a row tile of R query rows (from one or more batch items) and a key tile of Bc keys; the scores
+of that tile are the largest thing it allocates, so the working set is bounded by WORKING_SET_BYTES whatever
+n * m is. Broadcast operands stay stride-0 views: tiles are sliced from them, never copied whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+ARRAYS = "numpy"
+
+WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
+DEFAULT_BC = 512  # keys per tile: large enough that matmul, not Python, dominates
+TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibility and a where() result
+
+
+def unavailable():
+    return None
+
+
+def run(problem, out, lse, block=None):
+    rows_per_step, bc = tile_sizes(problem, block)
+    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step):
+        o, row_lse = attend_rows(problem, index, i0, i1, bc)
+        out[index + (slice(i0, i1),)] = o.astype(problem.dtype, copy=False)
+        if lse is not None:
+            lse[index + (slice(i0, i1),)] = row_lse
+
+
+def tile_sizes(problem, block):
+    """(query rows per step, counting all batch items of the step; keys per tile)."""
+    if block is not None:
+        br, bc = check_block(block)
+        return br, bc
+    bc = max(1, min(DEFAULT_BC, problem.m))
+    score_bytes = TEMPS_PER_SCORE * problem.acc_dtype.itemsize * bc
+    row_bytes = score_bytes + 3 * problem.acc_dtype.itemsize * (problem.d + problem.e)
+    return max(1, WORKING_SET_BYTES // row_bytes), bc
+
+
+def check_block(block):
+    try:
+        br, bc = block
+    except (TypeError, ValueError):
+        raise ValueError(f"attention: block must be a pair (Br, Bc) of positive ints, got {block!r}") from None
+    for value in (br, bc):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"attention: block must be a pair (Br, Bc) of positive ints, got {block!r}")
+    return int(br), int(bc)
+
+
+def row_tiles(batch, n, rows_per_step):
+    """Yield (batch index, i0, i1), the index a tuple of one int or slice per batch dim: whole trailing batch
+    dims and a slice of one more, so that (items selected) * (i1 - i0) <= rows_per_step whenever a single row
+    of one item allows it."""
+    if n >= rows_per_step or not batch:
+        step = min(n, rows_per_step)
+        for index in np.ndindex(*batch):
+            for i0 in range(0, n, step):
+                yield index, i0, min(n, i0 + step)
+        return
+    items = max(1, rows_per_step // n)
+    split = len(batch)  # batch dims from `split` on are taken whole
+    while split > 0 and math.prod(batch[split - 1:]) <= items:
+        split -= 1
+    whole = (slice(None),) * (len(batch) - split)
+    if split == 0:
+        yield whole, 0, n
+        return
+    chunk = max(1, items // math.prod(batch[split:]))
+    for outer in np.ndindex(*batch[:split - 1]):
+        for b0 in range(0, batch[split - 1], chunk):
+            yield outer + (slice(b0, min(batch[split - 1], b0 + chunk)),) + whole, 0, n
+
+
+def attend_rows(problem, index, i0, i1, bc):
+    """Online softmax over the key tiles for query rows [i0, i1) of the batch items selected by index.
+
+    Returns O_i / l_i in acc dtype and the rows' lse."""
+    acc = problem.acc_dtype
+    rows = index + (slice(i0, i1),)
+    q_i = problem.q[rows].astype(acc)
+    shape = q_i.shape[:-1]
+    m_i = np.full(shape, -np.inf, dtype=acc)  # running max of the scores
+    l_i = np.zeros(shape, dtype=acc)  # running sum of exp(score - m_i)
+    o_i = np.zeros(shape + (problem.e,), dtype=acc)  # unnormalized output
+    j_start, j_stop = problem.key_range(i0, i1)
+    for j0 in range(j_start, j_stop, bc):
+        j1 = min(j_stop, j0 + bc)
+        s_ij, visible = tile_scores(problem, index, q_i, i0, i1, j0, j1)
+        m_i, l_i, o_i = online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1)
+    nothing_visible = l_i == 0  # fully masked rows give 0 and lse -inf; NaN rows stay NaN
+    with np.errstate(divide="ignore", invalid="ignore"):
+        o = np.where(nothing_visible[..., None], 0, o_i / l_i[..., None])
+        row_lse = np.where(nothing_visible, -np.inf, m_i + np.log(l_i))
+    return o, row_lse.astype(acc, copy=False)
+
+
+def tile_scores(problem, index, q_i, i0, i1, j0, j1):
+    """S_ij = scale * q_i @ k_j.T + bias, with hidden keys set to -inf by selection; and the visibility
+    (None when every key of the tile is visible)."""
+    acc = problem.acc_dtype
+    k_j = problem.k[index + (slice(j0, j1),)].astype(acc)
+    s_ij = np.matmul(q_i, np.swapaxes(k_j, -1, -2))
+    s_ij *= acc.type(problem.scale)
+    tile = index + (slice(i0, i1), slice(j0, j1))
+    if problem.bias is not None:
+        s_ij += problem.bias[tile].astype(acc)
+    visible = None
+    if not problem.tile_fully_visible(i0, i1, j0, j1):
+        visible = problem.window_tile(i0, i1, j0, j1)
+    if problem.mask is not None:
+        visible = problem.mask[tile] if visible is None else problem.mask[tile] & visible
+    if visible is not None:
+        s_ij = np.where(visible, s_ij, -np.inf)
+    return s_ij, visible
+
+
+def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
+    """The seed's update: new running max, rescale the old sum and output, add this tile's share."""
+    m_new = np.maximum(m_i, s_ij.max(axis=-1))
+    m_safe = np.where(m_new == -np.inf, 0, m_new)  # rows with nothing visible yet: exp(-inf - 0) = 0
+    p_ij = np.exp(s_ij - m_safe[..., None])
+    alpha = np.exp(m_i - m_safe)
+    l_new = alpha * l_i + p_ij.sum(axis=-1)
+    v_j = problem.v[index + (slice(j0, j1),)].astype(problem.acc_dtype)
+    o_new = alpha[..., None] * o_i + weighted_values(p_ij, v_j, visible)
+    return m_new, l_new, o_new
+
+
+def weighted_values(p_ij, v_j, visible):
+    """P_ij @ V_j where hidden keys are removed by selection: a NaN or inf in a hidden value row must not
+    reach the output through 0 * inf. Finite tiles (the common case) take the plain matmul."""
+    finite = np.isfinite(v_j)
+    if visible is None or finite.all():
+        return np.matmul(p_ij, v_j)
+    result = np.matmul(p_ij, np.where(finite, v_j, 0))
+    # Add back the non-finite entries, only for the rows that see them.
+    bad_keys = np.nonzero(~finite.all(axis=tuple(range(v_j.ndim - 2)) + (-1,)))[0]
+    for j in bad_keys:
+        v_bad = np.where(finite[..., j, :], 0, v_j[..., j, :])  # (..., e): only the non-finite entries
+        contribution = p_ij[..., :, j, None] * v_bad[..., None, :]  # (..., rows, e)
+        result += np.where(visible[..., :, j, None], contribution, 0)
+    return result

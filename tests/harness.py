@@ -1,0 +1,31 @@
+"""Run one attention case through a backend with a NaN-poisoned out= and hold it to the accuracy rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import cuflash
+from reference import assert_accurate, result_dtype_name
+
+
+def result_shape(case):
+    o = case.options
+    shapes = [case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2]]
+    for key in ("mask", "bias"):
+        if o.get(key) is not None:
+            x = o[key]
+            shapes.append(((1,) * max(0, 2 - x.ndim) + x.shape)[:-2])
+    return tuple(np.broadcast_shapes(*shapes)) + (case.q.shape[-2], case.v.shape[-1])
+
+
+def check_case(case, backend=None, to_device=None, **extra):
+    """to_device: optional function moving NumPy arrays to the backend's array type (and back with .get())."""
+    dtype = np.dtype(result_dtype_name(case.q, case.k, case.v))
+    move = to_device or (lambda x: x)
+    out = move(np.full(result_shape(case), np.nan, dtype=dtype))
+    options = {key: (move(val) if isinstance(val, np.ndarray) else val) for key, val in case.options.items()}
+    result, lse = cuflash.attention(move(case.q), move(case.k), move(case.v), out=out, return_lse=True,
+                                    backend=backend, **options, **extra)
+    assert result is out
+    get = (lambda x: x.get()) if to_device else (lambda x: x)
+    assert_accurate(get(result), case.q, case.k, case.v, lse=get(lse), **case.options)
