@@ -18,11 +18,20 @@ def result_shape(case):
     return tuple(np.broadcast_shapes(*shapes)) + (case.q.shape[-2], case.v.shape[-1])
 
 
+def poisoned_out(shape, dtype, kind="contiguous"):
+    """A NaN-filled array of `shape` held as the requested kind of view, so an unwritten element fails."""
+    if kind == "strided" and shape:
+        return np.full(shape[:-1] + (2 * shape[-1],), np.nan, dtype=dtype)[..., ::2]
+    if kind == "reversed" and len(shape) >= 2:
+        return np.full(shape, np.nan, dtype=dtype)[..., ::-1, :]
+    return np.full(shape, np.nan, dtype=dtype)
+
+
 def check_case(case, backend=None, to_device=None, **extra):
     """to_device: optional function moving NumPy arrays to the backend's array type (and back with .get())."""
     dtype = np.dtype(result_dtype_name(case.q, case.k, case.v))
     move = to_device or (lambda x: x)
-    out = move(np.full(result_shape(case), np.nan, dtype=dtype))
+    out = move(poisoned_out(result_shape(case), dtype, case.out_kind))
     options = {key: (move(val) if isinstance(val, np.ndarray) else val) for key, val in case.options.items()}
     result, lse = cuflash.attention(move(case.q), move(case.k), move(case.v), out=out, return_lse=True,
                                     backend=backend, **options, **extra)

@@ -15,7 +15,10 @@ from hypothesis import strategies as st
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64))
 LENGTHS = (0, 1, 2, 7, 16, 31, 64, 113, 128, 203, 256, 300)
 HEAD_DIMS = (0, 1, 3, 8, 16, 59, 64, 111, 128, 256, 300)
-VIEWS = ("contiguous", "strided", "reversed", "offset", "transposed")
+VIEWS = ("contiguous", "strided", "reversed", "offset", "transposed", "stride0")
+
+
+OUT_KINDS = ("contiguous", "strided", "reversed")
 
 
 @dataclass
@@ -24,12 +27,13 @@ class Case:
     k: np.ndarray
     v: np.ndarray
     options: dict = field(default_factory=dict)
+    out_kind: str = "contiguous"  # how the NaN-poisoned out= is held
 
     def __repr__(self):  # what a failure prints to replay it
         def desc(x):
             return f"{x.dtype.name}{tuple(x.shape)} strides={x.strides}"
         opts = {key: (desc(val) if isinstance(val, np.ndarray) else val) for key, val in self.options.items()}
-        return f"Case(q={desc(self.q)}, k={desc(self.k)}, v={desc(self.v)}, options={opts})"
+        return f"Case(q={desc(self.q)}, k={desc(self.k)}, v={desc(self.v)}, options={opts}, out_kind={self.out_kind!r})"
 
 
 def make_view(rng, shape, dtype, kind, scale=1.0):
@@ -44,6 +48,9 @@ def make_view(rng, shape, dtype, kind, scale=1.0):
     if kind == "offset":
         flat = (rng.standard_normal(int(np.prod(shape)) + 3) * scale).astype(dtype)
         return flat[3:].reshape(shape)
+    if kind == "stride0" and len(shape) >= 2:  # every row the same: stride 0 along n or m
+        row = (rng.standard_normal(shape[:-2] + (1, shape[-1])) * scale).astype(dtype)
+        return np.broadcast_to(row, shape)
     if kind == "transposed" and len(shape) >= 2:
         swapped = shape[:-2] + (shape[-1], shape[-2])
         return np.swapaxes((rng.standard_normal(swapped) * scale).astype(dtype), -1, -2)
@@ -96,4 +103,6 @@ def cases(draw, dtypes=FLOAT_DTYPES, lengths=LENGTHS, head_dims=HEAD_DIMS, mixed
         bshape = draw(st.sampled_from([(n, m), (1, m), (n, 1)]))
         bias_dtype = draw(st.sampled_from([np.float32, dtype, np.float64]))
         options["bias"] = make_view(rng, kb() + bshape, bias_dtype, view(), scale=2.0)
-    return Case(q, k, v, options)
+    case = Case(q, k, v, options)
+    case.out_kind = draw(st.sampled_from(OUT_KINDS))
+    return case
