@@ -143,6 +143,7 @@ def weighted_values(p_ij, v_j, visible):
     bad_keys = np.nonzero(~finite.all(axis=tuple(range(v_j.ndim - 2)) + (-1,)))[0]
     for j in bad_keys:
         v_bad = np.where(finite[..., j, :], 0, v_j[..., j, :])  # (..., e): only the non-finite entries
-        contribution = p_ij[..., :, j, None] * v_bad[..., None, :]  # (..., rows, e)
+        with np.errstate(invalid="ignore"):  # 0 * inf in hidden rows: selected away just below
+            contribution = p_ij[..., :, j, None] * v_bad[..., None, :]  # (..., rows, e)
         result += np.where(visible[..., :, j, None], contribution, 0)
     return result
