@@ -1,0 +1,118 @@
+"""g++ builds one shared library per (source, options, kernels, mode), cached on disk under a hash of all of
+them (and of the runtime header and the compiler's version), written atomically."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODES = ("fast", "memcheck", "race")
+
+_MODE_FLAGS = {
+    "fast": ["-O2"],
+    # -O1 keeps reports readable and builds quick; frame pointers give ASan's fast unwinder whole stacks.
+    "memcheck": ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-DCUFLASH_SIMT_MEMCHECK"],
+    "race": ["-O1", "-g", "-fsanitize=thread", "-DCUFLASH_SIMT_RACE"],
+}
+# Kernels pun types (uint4 loads of halves, float bits as int): g++ must not assume strict aliasing.
+# Hidden visibility and no STB_GNU_UNIQUE keep each module's kernels and statics its own, even when two
+# modules instantiate the same template.
+_COMMON_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-gnu-unique",
+                 "-fno-strict-aliasing", "-fdiagnostics-plain-output"]
+
+
+class CompileError(RuntimeError):
+    """g++ refused the kernel source; the message carries its diagnostics with the kernel's line numbers."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler the emulator uses: $CXX, else g++ on PATH."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(shlex.split(cxx)[0]) and cxx
+    return shutil.which("g++")
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run(shlex.split(cxx) + ["--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"unknown ({e})"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CUFLASH_SIMT_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "cuflash" / "simt"
+
+
+def translate_options(options) -> tuple[list[str], bool]:
+    """Map the options CuPy's RawModule takes onto g++: -D/-U/-I are honoured, --std is taken as given,
+    -ftz=false turns off flushing denormals (CuPy always compiles with -ftz=true, so that is the default);
+    other NVRTC options (-arch, --use_fast_math, -lineinfo ...) mean nothing on a CPU and are ignored."""
+    flags, ftz = [], True
+    it = iter(options)
+    for opt in it:
+        if opt in ("-D", "-U", "-I", "--define-macro", "--undefine-macro", "--include-path"):
+            value = next(it, "")
+            letter = {"--define-macro": "-D", "--undefine-macro": "-U", "--include-path": "-I"}.get(opt, opt)
+            flags.append(letter + value)
+        elif opt.startswith(("-D", "-U", "-I")):
+            flags.append(opt)
+        elif opt.startswith(("--define-macro=", "--undefine-macro=", "--include-path=")):
+            key, value = opt.split("=", 1)
+            flags.append({"--define-macro": "-D", "--undefine-macro": "-U", "--include-path": "-I"}[key] + value)
+        elif opt.startswith(("-std=", "--std=")):
+            flags.append("-std=" + opt.split("=", 1)[1])
+        elif opt in ("-ftz=false", "--ftz=false"):
+            ftz = False
+        elif opt in ("-ftz=true", "--ftz=true", "--use_fast_math", "-use_fast_math"):
+            ftz = True
+    return flags, ftz
+
+
+def flags_for(mode: str, options) -> list[str]:
+    user, ftz = translate_options(options)
+    # The runtime header's directory comes first: it also holds stand-ins for cuda_fp16.h & co.
+    return _COMMON_FLAGS + _MODE_FLAGS[mode] + ["-I" + str(HERE)] + (["-DCUFLASH_SIMT_FTZ"] if ftz else []) + user
+
+
+def _runtime_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(HERE.glob("*.h")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def build(tu: str, mode: str, options=(), display_name: str = "kernel.cu") -> Path:
+    """Compile the translation unit; return the path of the cached shared library."""
+    cxx = compiler()
+    if cxx is None:
+        raise CompileError("the SIMT emulator needs a C++17 compiler: install g++ or set $CXX")
+    flags = flags_for(mode, options)
+    key = hashlib.sha256("\0".join([tu, mode, *flags, compiler_version(cxx), _runtime_digest()]).encode())
+    out_dir = cache_dir()
+    out = out_dir / f"{key.hexdigest()[:40]}.so"
+    if out.exists():
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+        src = Path(tmp) / "module.cpp"
+        src.write_text(tu)
+        lib = Path(tmp) / "module.so"
+        cmd = shlex.split(cxx) + flags + [str(src), "-o", str(lib)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CompileError(f"g++ could not compile {display_name} (mode {mode}):\n{r.stderr.strip()}")
+        os.replace(lib, out)  # atomic: another process sees the whole file or none
+    return out
