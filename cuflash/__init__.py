@@ -7,6 +7,7 @@ matrix never exists in memory.
 from .api import attention
 from .backends import BackendUnavailableError
 from .dtypes import bfloat16
+from .tiling import BlockConfig, DeviceLimits
 
-__all__ = ["attention", "BackendUnavailableError", "bfloat16"]
+__all__ = ["attention", "BackendUnavailableError", "bfloat16", "BlockConfig", "DeviceLimits"]
 __version__ = "0.1.0"

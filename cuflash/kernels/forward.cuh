@@ -1,0 +1,227 @@
+// The forward pass on CUDA cores (FMA): FlashAttention's tiled online softmax, one thread block per Br query rows
+// of one batch item, sweeping the visible key/value tiles of Bc rows through shared memory.
+//
+// Thread layout: TC = 16 consecutive lanes share a row group of RPT query rows; lane tx owns score columns
+// tx, tx + 16, ... of the key tile and output columns tx, tx + 16, ... of e. So S (RPT x Bc/16 per thread), the
+// running max m_i, the running sum l_i and the unnormalized O_i (RPT x E/16 per thread) live in registers; only the
+// probabilities P pass through shared memory, to be read by rows for P.V. No score ever goes to global memory.
+//
+// Template: T element type (__half, __nv_bfloat16, float, double); Br, Bc tile sizes; D, E buckets (the largest
+// d and e the instantiation serves: it sizes shared memory and registers; the actual d, e are run-time arguments
+// and tails are zero-filled by predicated loads); Warps per block.
+#pragma once
+
+#include "tile.cuh"
+
+namespace cuflash {
+
+constexpr int kLanesPerRow = 16;  // TC
+
+__host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Shared memory of one block, all dynamic. cuflash/tiling.py's shared-memory model mirrors this layout exactly.
+template <typename T, int Br, int Bc, int D, int E>
+struct ForwardShared {
+    using Acc = typename AccOf<T>::type;
+    // Row padding makes the row pitch an odd number of 32-bit words, so the 16 lanes reading 16 different K rows
+    // at one column hit 16 different banks.
+    static constexpr int kPad = sizeof(T) < 4 ? 4 / (int)sizeof(T) : 1;
+    static constexpr int LDQ = D + kPad, LDK = D + kPad, LDV = E, LDP = Bc + 1;
+    static constexpr size_t q_offset = 0;
+    static constexpr size_t k_offset = q_offset + align16(sizeof(T) * Br * LDQ);
+    static constexpr size_t v_offset = k_offset + align16(sizeof(T) * Bc * LDK);
+    static constexpr size_t p_offset = v_offset + align16(sizeof(T) * Bc * LDV);
+    static constexpr size_t bytes = p_offset + align16(sizeof(Acc) * Br * LDP);
+};
+
+// Launch flags (one int): which operands take 16-byte loads, and which optional operands exist.
+// The bias comes in the accumulator type (the launch casts the un-broadcast original once).
+enum ForwardFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32 };
+
+// In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,
+// so a NaN or inf in a hidden value row never reaches the output through 0 * inf.
+template <typename A> __device__ __forceinline__ A hidden_p() { return A(-1); }
+
+// Keys [begin, end) that any of the query rows [i0, i1) can see. left/right are the window's reach (the launch
+// passes n + m + 1 for an unbounded side); offset = m - n aligns the diagonal bottom-right.
+struct KeyRange { long long begin, end; };
+__device__ __forceinline__ KeyRange key_range(long long i0, long long i1, long long m, long long offset,
+                                              long long left, long long right) {
+    const long long begin = max_ll(0, i0 + offset - left);
+    const long long end = min_ll(m, i1 - 1 + offset + right + 1);
+    return {begin, max_ll(begin, end)};
+}
+
+// True when the window hides no key of rows [i0, i1) x keys [j0, j1).
+__device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, long long j0, long long j1,
+                                                   long long offset, long long left, long long right) {
+    return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
+}
+
+template <typename T, int Br, int Bc, int D, int E, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 1)
+fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+    const unsigned char* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias, T* __restrict__ out,
+    typename AccOf<T>::type* __restrict__ lse, const long long* __restrict__ geometry,
+    long long n, long long m, long long d, long long e, typename AccOf<T>::type scale_log2,
+    long long left, long long right, int flags) {
+    using Acc = typename AccOf<T>::type;
+    using Smem = ForwardShared<T, Br, Bc, D, E>;
+    constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
+    constexpr int RPT = Br / RG, CPT = Bc / TC, EPT = E / TC;  // rows, score columns, output columns per thread
+    static_assert(Br % RG == 0 && Bc % TC == 0 && E % TC == 0 && D % TC == 0, "unsupported tile shape");
+    static_assert(CPT <= 32, "hidden-key bits must fit one word");
+    constexpr Acc kLog2e = Acc(1.4426950408889634), kLn2 = Acc(0.6931471805599453);
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
+    T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
+    T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
+    Acc* P_s = reinterpret_cast<Acc*>(smem + Smem::p_offset);
+
+    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
+    const long long b = blockIdx.y + (long long)gridDim.y * blockIdx.z;
+    if (b >= g.batch_count) return;
+    const BatchOffsets base = batch_offsets(g, b);
+    const OperandStrides& qs = g.op[kQ];
+    const OperandStrides& ks = g.op[kK];
+    const OperandStrides& vs = g.op[kV];
+    const OperandStrides& ms = g.op[kMask];
+    const OperandStrides& bs = g.op[kBias];
+    const long long offset = m - n;
+    const bool has_mask = flags & kHasMask, has_bias = flags & kHasBias;
+
+    const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
+    const long long i0 = (long long)blockIdx.x * Br;
+    const int rows = (int)min_ll(Br, n - i0);
+
+    load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q + base.of[kQ] + i0 * qs.row, qs.row, qs.col, rows, (int)d,
+                                            flags & kVectorQ);
+
+    Acc m_i[RPT], l_i[RPT], O_i[RPT][EPT];
+#pragma unroll
+    for (int a = 0; a < RPT; ++a) {
+        m_i[a] = -infinity<Acc>();
+        l_i[a] = Acc(0);
+#pragma unroll
+        for (int c = 0; c < EPT; ++c) O_i[a][c] = Acc(0);
+    }
+
+    const KeyRange keys = key_range(i0, i0 + rows, m, offset, left, right);
+    for (long long j0 = keys.begin; j0 < keys.end; j0 += Bc) {
+        const int cols = (int)min_ll(Bc, keys.end - j0);
+        __syncthreads();  // the previous tile's K, V and P are no longer read
+        load_tile<T, Bc, D, Smem::LDK, Threads>(K_s, k + base.of[kK] + j0 * ks.row, ks.row, ks.col, cols, (int)d,
+                                                flags & kVectorK);
+        load_tile<T, Bc, E, Smem::LDV, Threads>(V_s, v + base.of[kV] + j0 * vs.row, vs.row, vs.col, cols, (int)e,
+                                                flags & kVectorV);
+        __syncthreads();
+
+        // Only tiles that straddle the window, carry a mask or end early pay for per-element visibility.
+        const bool partial = has_mask || cols < Bc ||
+                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, offset, left, right);
+
+        // S_ij = q_i . k_j, in the log2 domain: scale * log2(e) is folded into one multiplier.
+        Acc S[RPT][CPT];
+#pragma unroll
+        for (int a = 0; a < RPT; ++a)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) S[a][c] = Acc(0);
+#pragma unroll 2
+        for (int x = 0; x < (int)d; ++x) {
+            Acc q_x[RPT], k_x[CPT];
+#pragma unroll
+            for (int a = 0; a < RPT; ++a) q_x[a] = to_acc(Q_s[(ty * RPT + a) * Smem::LDQ + x]);
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) k_x[c] = to_acc(K_s[(tx + TC * c) * Smem::LDK + x]);
+#pragma unroll
+            for (int a = 0; a < RPT; ++a)
+#pragma unroll
+                for (int c = 0; c < CPT; ++c) S[a][c] += q_x[a] * k_x[c];
+        }
+
+        // Scale, bias and visibility; a hidden key's score becomes -inf by selection and its bit is remembered.
+        unsigned hidden[RPT];
+#pragma unroll
+        for (int a = 0; a < RPT; ++a) {
+            hidden[a] = 0;
+            const long long i = i0 + ty * RPT + a;
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) {
+                const int jj = tx + TC * c;
+                const long long j = j0 + jj;
+                bool visible = i < n;  // rows past n (the last tile's tail) are computed but never stored
+                if (partial) {
+                    visible = visible && jj < cols && j >= i + offset - left && j <= i + offset + right;
+                    if (visible && has_mask) visible = mask[base.of[kMask] + i * ms.row + j * ms.col] != 0;
+                }
+                Acc s = S[a][c] * scale_log2;
+                if (visible && has_bias) s += bias[base.of[kBias] + i * bs.row + j * bs.col] * kLog2e;
+                S[a][c] = visible ? s : -infinity<Acc>();
+                if (!visible) hidden[a] |= 1u << c;
+            }
+        }
+
+        // Online softmax: new running max, rescale l_i and O_i by exp2(m_old - m_new), add this tile's share.
+#pragma unroll
+        for (int a = 0; a < RPT; ++a) {
+            Acc tile_max = -infinity<Acc>();
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) tile_max = max_(tile_max, S[a][c]);
+            const Acc m_new = max_(m_i[a], lanes_max<TC>(tile_max));
+            const Acc m_use = m_new == -infinity<Acc>() ? Acc(0) : m_new;  // nothing visible yet: exp2(-inf) = 0
+            const Acc alpha = exp2_(m_i[a] - m_use);
+            Acc tile_sum = Acc(0);
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) {
+                const Acc p = exp2_(S[a][c] - m_use);
+                tile_sum += p;
+                P_s[(ty * RPT + a) * Smem::LDP + tx + TC * c] = (hidden[a] >> c & 1u) ? hidden_p<Acc>() : p;
+            }
+            l_i[a] = alpha * l_i[a] + lanes_sum<TC>(tile_sum);
+            m_i[a] = m_new;
+#pragma unroll
+            for (int c = 0; c < EPT; ++c) O_i[a][c] *= alpha;
+        }
+        __syncthreads();
+
+        // O_i += P_ij V_j; on partial tiles hidden keys are skipped by selection.
+#pragma unroll 2
+        for (int j = 0; j < cols; ++j) {
+            Acc p_j[RPT], v_j[EPT];
+#pragma unroll
+            for (int a = 0; a < RPT; ++a) p_j[a] = P_s[(ty * RPT + a) * Smem::LDP + j];
+#pragma unroll
+            for (int c = 0; c < EPT; ++c) v_j[c] = to_acc(V_s[j * Smem::LDV + tx + TC * c]);
+#pragma unroll
+            for (int a = 0; a < RPT; ++a)
+#pragma unroll
+                for (int c = 0; c < EPT; ++c) {
+                    const Acc o = O_i[a][c] + p_j[a] * v_j[c];
+                    O_i[a][c] = (partial && p_j[a] < Acc(0)) ? O_i[a][c] : o;
+                }
+        }
+    }
+
+    // O_i / l_i and lse = ln(sum of exp) = (m_i + log2 l_i) * ln 2; a row that saw no key gives 0 and -inf.
+    const OperandStrides& os = g.op[kOut];
+    const OperandStrides& ls = g.op[kLse];
+#pragma unroll
+    for (int a = 0; a < RPT; ++a) {
+        const int r = ty * RPT + a;
+        if (r >= rows) continue;
+        const long long i = i0 + r;
+        const bool nothing_visible = l_i[a] == Acc(0);
+#pragma unroll
+        for (int c = 0; c < EPT; ++c) {
+            const int col = tx + TC * c;
+            if (col < e)
+                out[base.of[kOut] + i * os.row + col * os.col] =
+                    from_acc<T>(nothing_visible ? Acc(0) : O_i[a][c] / l_i[a]);
+        }
+        if ((flags & kWantLse) && tx == 0)
+            lse[base.of[kLse] + i * ls.row] = nothing_visible ? -infinity<Acc>() : (m_i[a] + log2_(l_i[a])) * kLn2;
+    }
+}
+
+}  // namespace cuflash

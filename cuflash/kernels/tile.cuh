@@ -1,0 +1,127 @@
+// Mechanics of the CUDA-core (FMA) kernels: accumulator types, conversions, math overloads, batch geometry and
+// predicated tile loads. Compiles under NVRTC and, for the emulator, as host C++.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cuflash {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Types: float accumulation for 16- and 32-bit inputs, double for double.
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+template <typename T> __device__ __forceinline__ T from_acc(typename AccOf<T>::type x);
+template <> __device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Math, overloaded on the accumulator type.
+
+__device__ __forceinline__ float exp2_(float x) { return exp2f(x); }
+__device__ __forceinline__ double exp2_(double x) { return exp2(x); }
+__device__ __forceinline__ float log2_(float x) { return log2f(x); }
+__device__ __forceinline__ double log2_(double x) { return log2(x); }
+// fmax ignores a NaN operand: a NaN score still reaches the output through exp2(NaN - m).
+__device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
+
+template <typename A> __device__ __forceinline__ A infinity();
+#if defined(__CUDACC__)
+template <> __device__ __forceinline__ float infinity<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double infinity<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+#else
+template <> __device__ __forceinline__ float infinity<float>() { return __builtin_huge_valf(); }
+template <> __device__ __forceinline__ double infinity<double>() { return __builtin_huge_val(); }
+#endif
+
+__device__ __forceinline__ long long min_ll(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long max_ll(long long a, long long b) { return a > b ? a : b; }
+
+// Sum and max over the TC lanes that share a query row (TC consecutive lanes of one warp).
+template <int TC, typename A> __device__ __forceinline__ A lanes_max(A x) {
+#pragma unroll
+    for (int offset = TC / 2; offset > 0; offset /= 2) x = max_(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+template <int TC, typename A> __device__ __forceinline__ A lanes_sum(A x) {
+#pragma unroll
+    for (int offset = TC / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Batch geometry: the batch shape and every operand's strides (in elements), an int64 table written by the launch
+// code (cuflash/launch.py builds the same layout). Broadcast dimensions have stride 0; nothing is flattened by copying.
+
+constexpr int kMaxBatchDims = 6;
+enum Operand { kQ = 0, kK, kV, kMask, kBias, kOut, kLse, kOperands };
+
+struct OperandStrides {
+    long long row, col;               // along n (or m) and along d (or e, or m for mask and bias)
+    long long batch[kMaxBatchDims];
+};
+
+struct Geometry {
+    long long batch_count, rank;
+    long long shape[kMaxBatchDims];
+    OperandStrides op[kOperands];
+};
+
+struct BatchOffsets { long long of[kOperands]; };
+
+// Element offsets of batch item b for every operand: b unravelled over the batch shape, last dimension fastest.
+__device__ __forceinline__ BatchOffsets batch_offsets(const Geometry& g, long long b) {
+    BatchOffsets o;
+    for (int x = 0; x < kOperands; ++x) o.of[x] = 0;
+    for (int dim = (int)g.rank - 1; dim >= 0; --dim) {
+        const long long index = b % g.shape[dim];
+        b /= g.shape[dim];
+        for (int x = 0; x < kOperands; ++x) o.of[x] += index * g.op[x].batch[dim];
+    }
+    return o;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Predicated tile loads: Rows x Cols elements into shared memory (row pitch LD), zero outside rows x cols.
+
+struct alignas(16) Chunk16 { unsigned int word[4]; };
+
+template <typename T, int Rows, int Cols, int LD, int Threads>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride, long long col_stride,
+                                          int rows, int cols, bool vector) {
+    const T zero = from_acc<T>(0);
+    if (vector) {  // the launch checked: col_stride == 1 and every row start is 16-byte aligned
+        constexpr int V = 16 / sizeof(T);
+        static_assert(Cols % V == 0, "tile width must be a whole number of 16-byte chunks");
+        for (int idx = threadIdx.x; idx < Rows * (Cols / V); idx += Threads) {
+            const int r = idx / (Cols / V), c = (idx % (Cols / V)) * V;
+            if (r < rows && c + V <= cols) {
+                const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(src + r * row_stride + c);
+                const T* parts = reinterpret_cast<const T*>(&chunk);
+#pragma unroll
+                for (int t = 0; t < V; ++t) dst[r * LD + c + t] = parts[t];
+            } else {
+#pragma unroll
+                for (int t = 0; t < V; ++t)
+                    dst[r * LD + c + t] = (r < rows && c + t < cols) ? src[r * row_stride + (c + t)] : zero;
+            }
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < Rows * Cols; idx += Threads) {
+            const int r = idx / Cols, c = idx % Cols;
+            dst[r * LD + c] = (r < rows && c < cols) ? src[r * row_stride + c * col_stride] : zero;
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,195 @@
+"""Launching the forward kernel: name expressions, grid, block, shared memory and arguments.
+
+Shared by the cupy and simt backends, which differ only in how a module is compiled (cupy.RawModule or the
+emulator's RawModule) and in the arrays the Problem holds (CuPy or NumPy: problem.xp). Both modules take the same
+call: kernel(grid, block, args, shared_mem=nbytes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import numpy as np
+
+from . import kernels
+from .tiling import BlockConfig, bucket
+
+C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+MAX_BATCH_DIMS = 6  # kMaxBatchDims in tile.cuh
+OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")  # the Operand enum's order
+MAX_GRID_Y = 65535
+
+# ForwardFlags in forward.cuh
+VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE = 1, 2, 4, 8, 16, 32
+
+
+def source() -> str:
+    """The one source string every forward instantiation is compiled from."""
+    return kernels.source("forward.cuh")
+
+
+def kernel_name(workload, config: BlockConfig) -> str:
+    """The name expression of the instantiation serving workload (dtype, d, e) with config."""
+    ctype = C_TYPES[np.dtype(workload.dtype).name]
+    return (f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {bucket(workload.d)}, {bucket(workload.e)}, "
+            f"{config.warps}>")
+
+
+@dataclass
+class Launch:
+    name: str
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    shared_mem: int
+    args: tuple
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Operands as the kernel sees them
+
+
+def address(x) -> int:
+    """Data pointer of a NumPy or CuPy array, its view offset included."""
+    data = getattr(x, "data", None)
+    if hasattr(data, "ptr"):
+        return int(data.ptr)
+    return int(x.__array_interface__["data"][0])
+
+
+def element_strides(x) -> Optional[Tuple[int, ...]]:
+    """Strides in elements, or None when a byte stride is not a whole number of elements."""
+    item = x.dtype.itemsize
+    if any(s % item for s in x.strides):
+        return None
+    return tuple(s // item for s in x.strides)
+
+
+def compact(x, xp):
+    """The un-broadcast original of a broadcast view: every stride-0 axis cut to length 1 (a view, no copy)."""
+    return x[tuple(slice(0, 1) if s == 0 and size > 1 else slice(None) for s, size in zip(x.strides, x.shape))]
+
+
+def bias_operand(problem):
+    """The bias in the accumulator type: the un-broadcast original is cast once, then broadcast again."""
+    bias = problem.bias
+    if bias.dtype == problem.acc_dtype:
+        return bias
+    xp = problem.xp
+    return xp.broadcast_to(compact(bias, xp).astype(problem.acc_dtype), bias.shape)
+
+
+def vector_ok(x, strides) -> bool:
+    """16-byte loads need unit column stride and 16-byte aligned pointer, row and batch strides."""
+    item = x.dtype.itemsize
+    return (strides[-1] == 1 or x.shape[-1] <= 1) and address(x) % 16 == 0 and \
+        all((s * item) % 16 == 0 for s in strides[:-1])
+
+
+def coalesce(shape, strides_per_operand):
+    """Drop size-1 batch dims and merge neighbours that every operand walks contiguously (like NumPy's iterator),
+    so most problems reach the kernel with one or two batch dims."""
+    dims = [(size, [s[i] for s in strides_per_operand]) for i, size in enumerate(shape) if size != 1]
+    merged = []
+    for size, strides in dims:
+        if merged:
+            prev_size, prev_strides = merged[-1]
+            if all(p == s * size for p, s in zip(prev_strides, strides)):
+                merged[-1] = (prev_size * size, strides)
+                continue
+        merged.append((size, strides))
+    return [size for size, _ in merged], [[strides[x] for _, strides in merged] for x in range(len(strides_per_operand))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launches
+
+
+def window_reach(problem) -> Tuple[int, int]:
+    """(left, right) as int64: an unbounded side reaches every key; huge values are clamped the same way."""
+    reach = problem.n + problem.m + 1
+    return tuple(reach if side is None else max(-reach, min(reach, int(side))) for side in problem.window)
+
+
+def launches(problem, out, lse, config: BlockConfig) -> List[Launch]:
+    """The kernel launches that compute problem into out (and lse when not None) with config: one, unless the
+    batch has more dims than the kernel takes after coalescing (then one per index of the leading dims)."""
+    xp = problem.xp
+    acc = problem.acc_dtype
+    operands = [problem.q, problem.k, problem.v, problem.mask,
+                None if problem.bias is None else bias_operand(problem), out, lse]
+    # Operands whose byte strides are not whole elements (exotic views) are copied once.
+    operands = [x if x is None or element_strides(x) is not None else xp.ascontiguousarray(x) for x in operands]
+    nb = len(problem.batch)
+    strides = [element_strides(x)[:nb] if x is not None else (0,) * nb for x in operands]
+    shape, batch_strides = coalesce(problem.batch, strides)
+    if len(shape) <= MAX_BATCH_DIMS:
+        return [_launch(problem, operands, shape, batch_strides, config, xp, acc)]
+    # Too many batch dims: launch per index of the leading ones, on views.
+    lead = len(problem.batch) - MAX_BATCH_DIMS
+    result = []
+    for index in np.ndindex(*problem.batch[:lead]):
+        views = [None if x is None else x[index] for x in operands]
+        sub = [element_strides(x)[:MAX_BATCH_DIMS] if x is not None else (0,) * MAX_BATCH_DIMS for x in views]
+        sub_shape, sub_strides = coalesce(problem.batch[lead:], sub)
+        result.append(_launch(problem, views, sub_shape, sub_strides, config, xp, acc))
+    return result
+
+
+def _launch(problem, operands, shape, batch_strides, config, xp, acc) -> Launch:
+    from .tiling import shared_memory_bytes
+
+    q, k, v, mask, bias, out, lse = operands
+    batch_count = math.prod(shape)
+    table = np.zeros(2 + MAX_BATCH_DIMS + len(OPERANDS) * (2 + MAX_BATCH_DIMS), dtype=np.int64)
+    table[0], table[1] = batch_count, len(shape)
+    table[2:2 + MAX_BATCH_DIMS] = 1
+    table[2:2 + len(shape)] = shape
+    flags = 0
+    for index, x in enumerate(operands):
+        base = 2 + MAX_BATCH_DIMS + index * (2 + MAX_BATCH_DIMS)
+        if x is not None:
+            s = element_strides(x)
+            row, col = (s[-1], 0) if OPERANDS[index] == "lse" else s[-2:]
+            table[base:base + 2] = row, col
+            table[base + 2:base + 2 + len(shape)] = batch_strides[index]
+    for bit, x in ((VECTOR_Q, q), (VECTOR_K, k), (VECTOR_V, v)):
+        if vector_ok(x, element_strides(x)):
+            flags |= bit
+    if mask is not None:
+        flags |= HAS_MASK
+    if bias is not None:
+        flags |= HAS_BIAS
+    if lse is not None:
+        flags |= WANT_LSE
+    # Absent optional operands are passed as one-element arrays: never read, typed like the real thing.
+    mask = mask if mask is not None else xp.zeros(1, dtype=np.bool_)
+    bias = bias if bias is not None else xp.zeros(1, dtype=acc)
+    lse = lse if lse is not None else xp.zeros(1, dtype=acc)
+    left, right = window_reach(problem)
+    scale_log2 = acc.type(problem.scale * math.log2(math.e))
+    args = (q, k, v, mask, bias, out, lse, xp.asarray(table),
+            np.int64(problem.n), np.int64(problem.m), np.int64(problem.d), np.int64(problem.e),
+            scale_log2, np.int64(left), np.int64(right), np.int32(flags))
+    tiles = -(-problem.n // config.Br)
+    grid_y = max(1, min(batch_count, MAX_GRID_Y))
+    grid = (tiles, grid_y, -(-batch_count // grid_y))
+    return Launch(kernel_name(problem, config), grid, (config.threads, 1, 1),
+                  shared_memory_bytes(problem, config), args)
+
+
+def run(problem, out, lse, config: BlockConfig, get_kernel: Callable[[str, int], Any]) -> None:
+    """Launch every kernel of the problem; get_kernel(name, shared_mem) returns the compiled kernel, ready for
+    that much dynamic shared memory. A launch error names the kernel and the configuration."""
+    for launch in launches(problem, out, lse, config):
+        if launch.grid[2] > MAX_GRID_Y:
+            raise ValueError(f"attention: a batch of {launch.grid[1] * launch.grid[2]} items is more than one launch "
+                             f"can cover")
+        kernel = get_kernel(launch.name, launch.shared_mem)
+        try:
+            kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
+        except Exception as exc:
+            raise RuntimeError(
+                f"attention: launching {launch.name} (block {config}, grid {launch.grid}, "
+                f"{launch.shared_mem} bytes of shared memory) failed: {exc}") from exc

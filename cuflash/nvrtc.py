@@ -1,0 +1,127 @@
+"""NVRTC without a GPU: header discovery for CuPy, and compiling kernels to cubins with ptxas's resource report.
+
+NVRTC's low-level API (cupy.cuda.nvrtc) compiles for any architecture without a device; ptxas's verbose report,
+passed through NVRTC's log, gives registers, spills and static shared memory per kernel. The cupy backend uses
+include_dirs(); tests/test_compile.py and bench/compile_report.py use compile_report().
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional
+
+from . import launch
+
+STD = "--std=c++17"
+
+
+def include_dirs() -> List[str]:
+    """Directories holding cuda_fp16.h and cuda_bf16.h, which CuPy does not ship: the CUDA runtime wheel
+    (nvidia-cuda-runtime-cu12's nvidia/cuda_runtime/include, or CUDA 13's nvidia/cu13/include), else the
+    toolkit CuPy found."""
+    found = []
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            for sub in ("cuda_runtime/include", "cu13/include", "cu12/include"):
+                path = os.path.join(root, sub)
+                if os.path.isfile(os.path.join(path, "cuda_fp16.h")):
+                    found.append(path)
+    except ImportError:
+        pass
+    if not found:
+        try:
+            from cupy import _environment
+            cuda_path = _environment.get_cuda_path()
+        except Exception:
+            cuda_path = None
+        for base in filter(None, (cuda_path, os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"))):
+            path = os.path.join(base, "include")
+            if os.path.isfile(os.path.join(path, "cuda_fp16.h")):
+                found.append(path)
+                break
+    return found
+
+
+def options(arch: Optional[str] = None) -> List[str]:
+    opts = [STD] + [f"-I{path}" for path in include_dirs()]
+    if arch:
+        opts.append(f"-arch={arch}")
+    return opts
+
+
+@dataclass
+class Usage:
+    """ptxas's figures for one kernel."""
+
+    name: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    static_smem: int
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def compile_program(src: str, names: Iterable[str], arch: str, extra=()):
+    """(cubin bytes, log, {name expression: lowered name}) of src compiled for arch ("sm_80")."""
+    from cupy.cuda import nvrtc
+
+    names = list(names)
+    prog = nvrtc.createProgram(src, "cuflash.cu", [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, options(arch) + ["-Xptxas=-v"] + list(extra))
+        except nvrtc.NVRTCError as exc:
+            raise CompileError(f"{exc}\n{nvrtc.getProgramLog(prog)}") from None
+        log = nvrtc.getProgramLog(prog)
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+        return nvrtc.getCUBIN(prog), log, lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+)'")
+SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+USED = re.compile(r"Used (\d+) registers(.*)")
+SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(log: str) -> Dict[str, Usage]:
+    """Usage per mangled kernel name from ptxas's -v lines."""
+    usage, current = {}, None
+    for line in log.splitlines():
+        if (match := ENTRY.search(line)):
+            current = Usage(match.group(1), match.group(2), 0, 0, 0, 0, 0)
+            usage[current.name] = current
+        elif current and (match := SPILL.search(line)):
+            current.stack, current.spill_stores, current.spill_loads = map(int, match.groups())
+        elif current and (match := USED.search(line)):
+            current.registers = int(match.group(1))
+            smem = SMEM.search(match.group(2))
+            current.static_smem = int(smem.group(1)) if smem else 0
+    return usage
+
+
+def compile_report(names: Iterable[str], arch: str, src: Optional[str] = None) -> Dict[str, Usage]:
+    """ptxas's usage of each forward instantiation (by name expression) compiled for arch."""
+    names = list(names)
+    _, log, lowered = compile_program(src or launch.source(), names, arch)
+    usage = parse_ptxas(log)
+    return {name: usage[lowered[name]] for name in names}
+
+
+def check_shared_layout(expected: Dict[str, int], arch: str = "sm_80") -> None:
+    """Compile static_asserts that ForwardShared<...>::bytes equals the Python model for each layout
+    ("__half, 64, 64, 64, 64" -> bytes); CompileError names the ones that differ."""
+    lines = [f'static_assert(cuflash::ForwardShared<{args}>::bytes == {nbytes}, "model: {args} -> {nbytes}");'
+             for args, nbytes in expected.items()]
+    compile_program(launch.source() + "\n".join(lines) + "\n", [], arch)
