@@ -52,10 +52,9 @@ class Launch:
 
 def address(x) -> int:
     """Data pointer of a NumPy or CuPy array, its view offset included."""
-    data = getattr(x, "data", None)
-    if hasattr(data, "ptr"):
-        return int(data.ptr)
-    return int(x.__array_interface__["data"][0])
+    if isinstance(x, np.ndarray):
+        return int(x.ctypes.data)
+    return int(x.data.ptr)  # CuPy
 
 
 def element_strides(x) -> Optional[Tuple[int, ...]]:

@@ -1,8 +1,8 @@
 """CUDA C++ sources of the kernels, assembled into one string.
 
 CuPy's disk cache hashes the source string and the options, not files reached through -I, so every local header
-(`#include "x.cuh"`) is pasted in textually, each once: an edited header can never run stale. System headers
-(`#include <cuda_fp16.h>`) stay includes.
+(`#include "x.cuh"` of a file in this directory) is pasted in textually, each once: an edited header can never
+run stale. Other includes (`<cuda_fp16.h>`, the emulator's "cuflash_simt.h") stay includes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _inline(name: str, seen: set) -> list:
     lines = [f"// ---- {name}"]
     for line in read(name).splitlines():
         match = LOCAL_INCLUDE.match(line)
-        if match:
+        if match and os.path.isfile(os.path.join(HERE, match.group(1))):
             lines.extend(_inline(match.group(1), seen))
         elif line.strip() != "#pragma once":
             lines.append(line)

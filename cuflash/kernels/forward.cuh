@@ -61,7 +61,7 @@ __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, l
 template <typename T, int Br, int Bc, int D, int E, int Warps>
 __global__ void __launch_bounds__(Warps * 32, 1)
 fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const unsigned char* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias, T* __restrict__ out,
+    const bool* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias, T* __restrict__ out,
     typename AccOf<T>::type* __restrict__ lse, const long long* __restrict__ geometry,
     long long n, long long m, long long d, long long e, typename AccOf<T>::type scale_log2,
     long long left, long long right, int flags) {
@@ -153,7 +153,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 bool visible = i < n;  // rows past n (the last tile's tail) are computed but never stored
                 if (partial) {
                     visible = visible && jj < cols && j >= i + offset - left && j <= i + offset + right;
-                    if (visible && has_mask) visible = mask[base.of[kMask] + i * ms.row + j * ms.col] != 0;
+                    if (visible && has_mask) visible = mask[base.of[kMask] + i * ms.row + j * ms.col];
                 }
                 Acc s = S[a][c] * scale_log2;
                 if (visible && has_bias) s += bias[base.of[kBias] + i * bs.row + j * bs.col] * kLog2e;

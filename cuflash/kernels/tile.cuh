@@ -2,8 +2,7 @@
 // predicated tile loads. Compiles under NVRTC and, for the emulator, as host C++.
 #pragma once
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 namespace cuflash {
 
