@@ -1,0 +1,276 @@
+// ptx.cuh: every inline PTX cuflash uses, each in one small device function. Under __CUDA_ARCH__ the asm; in the
+// SIMT emulator (CUFLASH_SIMT) a twin with exactly the instruction's per-lane semantics, written from the PTX
+// ISA's fragment layouts, run as a warp collective (every lane of the warp must reach it, as .sync.aligned
+// demands on the GPU). Registers are `unsigned` (32 bits; NVRTC has no <cstdint>).
+//
+// Notation of the layouts below: g = lane / 4 (groupID), t = lane % 4 (thread in group); a 32-bit register of
+// .f16x2/.bf16x2 holds its lower-numbered element in the low half.
+#ifndef CUFLASH_PTX_CUH
+#define CUFLASH_PTX_CUH
+
+#if defined(__CUDA_ARCH__)
+#define CUFLASH_PTX_LINE
+#else
+// The emulator's twins take the caller's line (for messages) as a defaulted trailing argument.
+#define CUFLASH_PTX_LINE , int line = __builtin_LINE()
+#endif
+
+namespace cuflash {
+namespace ptx {
+
+#if !defined(__CUDA_ARCH__)
+// ---- the emulator's side: gather the warp's fragments into matrices, compute, scatter ----------------------
+namespace twin {
+
+enum Kind { F16_K16, BF16_K16, F16_K8, TF32_K8 };
+struct MmaLane { float* d; const unsigned* a; const unsigned* b; const float* c; };
+
+inline float elem16(unsigned reg, int half, bool bf16) {
+  unsigned short bits = (unsigned short)(half ? reg >> 16 : reg & 0xffffu);
+  return bf16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
+}
+
+// Where element e of lane `lane`'s fragment sits: A as (row, k), B as (k, col), C/D as (row, col).
+template <Kind K> inline void a_pos(int lane, int e, int& row, int& k) {
+  int g = lane >> 2, t = lane & 3;
+  if (K == TF32_K8) { row = g + 8 * (e & 1); k = t + 4 * (e >> 1); return; }      // a0..a3: one per register
+  int r = e >> 1, h = e & 1;                                                        // element e in register e/2
+  if (K == F16_K8) { row = g + 8 * r; k = 2 * t + h; return; }                      // a0,a1 | a2,a3
+  row = g + 8 * (r & 1); k = 2 * t + h + 8 * (r >> 1);                              // a0,a1 | a2,a3 | a4,a5 | a6,a7
+}
+template <Kind K> inline void b_pos(int lane, int e, int& k, int& col) {
+  int g = lane >> 2, t = lane & 3;
+  col = g;
+  if (K == TF32_K8) { k = t + 4 * e; return; }                                      // b0, b1
+  k = 2 * t + (e & 1) + 8 * (e >> 1);                                               // b0,b1 | b2,b3
+}
+inline void cd_pos(int lane, int e, int& row, int& col) {
+  row = (lane >> 2) + 8 * (e >> 1);
+  col = 2 * (lane & 3) + (e & 1);
+}
+
+template <Kind K> inline void run_mma(void* const* lanes, unsigned) {
+  constexpr int KD = (K == F16_K16 || K == BF16_K16) ? 16 : 8;
+  constexpr int NA = KD == 16 ? 8 : 4, NB = KD == 16 ? 4 : 2;  // elements per lane
+  double A[16][16], B[16][8], C[16][8];
+  for (int lane = 0; lane < 32; lane++) {
+    const MmaLane& L = *(const MmaLane*)lanes[lane];
+    int r, c;
+    for (int e = 0; e < NA; e++) {
+      a_pos<K>(lane, e, r, c);
+      A[r][c] = K == TF32_K8 ? (double)__uint_as_float(L.a[e] & 0xffffe000u)  // tf32: the low 13 bits are ignored
+                             : (double)elem16(L.a[e >> 1], e & 1, K == BF16_K16);
+    }
+    for (int e = 0; e < NB; e++) {
+      b_pos<K>(lane, e, r, c);
+      B[r][c] = K == TF32_K8 ? (double)__uint_as_float(L.b[e] & 0xffffe000u)
+                             : (double)elem16(L.b[e >> 1], e & 1, K == BF16_K16);
+    }
+    for (int e = 0; e < 4; e++) {
+      cd_pos(lane, e, r, c);
+      C[r][c] = (double)L.c[e];
+    }
+  }
+  // Every C read before any D written: d and c may be the same registers.
+  for (int lane = 0; lane < 32; lane++) {
+    const MmaLane& L = *(const MmaLane*)lanes[lane];
+    for (int e = 0; e < 4; e++) {
+      int r, c;
+      cd_pos(lane, e, r, c);
+      double acc = 0;
+      for (int k = 0; k < KD; k++) acc += A[r][k] * B[k][c];
+      L.d[e] = (float)(acc + C[r][c]);
+    }
+  }
+}
+
+template <Kind K> inline void mma(float* d, const unsigned* a, const unsigned* b, const float* c, const char* name,
+                                  int line) {
+  static const ::cuflash_simt::Collective op{name, run_mma<K>};
+  MmaLane me{d, a, b, c};
+  ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, line);
+}
+
+// ldmatrix: lane 8j + r gives the address of row r of matrix j; register j of lane L receives row L/4, 32-bit
+// word L%4 (columns 2(L%4), 2(L%4)+1) of matrix j, or with .trans that place of the transposed matrix.
+struct LdmLane { const void* row; unsigned* r; };
+template <int N, bool Trans> inline void run_ldmatrix(void* const* lanes, unsigned) {
+  const ::cuflash_simt::Block& blk = *::cuflash_simt::tl.block;
+  unsigned short M[4][8][8];
+  for (int j = 0; j < N; j++)
+    for (int r = 0; r < 8; r++) {
+      const void* p = ((const LdmLane*)lanes[8 * j + r])->row;
+      if ((unsigned long long)p % 16)
+        ::cuflash_simt::fail_here("ldmatrix: lane %d's row address %p is not 16-byte aligned", 8 * j + r, p);
+      if (!::cuflash_simt::in_shared(blk, p, 16))
+        ::cuflash_simt::fail_here("ldmatrix: lane %d's row address %p is not in this block's shared memory",
+                                  8 * j + r, p);
+      std::memcpy(M[j][r], p, 16);
+    }
+  for (int lane = 0; lane < 32; lane++) {
+    const LdmLane& L = *(const LdmLane*)lanes[lane];
+    int row = lane >> 2, col = 2 * (lane & 3);
+    for (int j = 0; j < N; j++) {
+      unsigned lo = Trans ? M[j][col][row] : M[j][row][col];
+      unsigned hi = Trans ? M[j][col + 1][row] : M[j][row][col + 1];
+      L.r[j] = lo | (hi << 16);
+    }
+  }
+}
+template <int N, bool Trans> inline void ldmatrix(unsigned* r, const void* row, int line) {
+  static const char* names[2][5] = {
+      {"", "ldmatrix.x1", "ldmatrix.x2", "", "ldmatrix.x4"},
+      {"", "ldmatrix.x1.trans", "ldmatrix.x2.trans", "", "ldmatrix.x4.trans"}};
+  static const ::cuflash_simt::Collective op{names[Trans][N], run_ldmatrix<N, Trans>};
+  LdmLane me{row, r};
+  ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, line);
+}
+
+}  // namespace twin
+#endif  // !__CUDA_ARCH__
+
+// ---- mma.sync: D = A * B + C with f32 accumulators; A row-major 16 x K, B column-major K x 8 ---------------
+// m16n8k16, f16 or bf16 inputs. A: a[r] holds (row g + 8(r&1), cols 2t + 8(r>>1) + {0,1}); B: b[r] holds
+// (rows 2t + 8r + {0,1}, col g); C/D: c[e] is (row g + 8(e>>1), col 2t + (e&1)).
+__device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                 const float (&c)[4] CUFLASH_PTX_LINE) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+  twin::mma<twin::F16_K16>(d, a, b, c, "mma.m16n8k16.f16", line);
+#endif
+}
+
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                  const float (&c)[4] CUFLASH_PTX_LINE) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+  twin::mma<twin::BF16_K16>(d, a, b, c, "mma.m16n8k16.bf16", line);
+#endif
+}
+
+// m16n8k8, f16 inputs. A: a[r] holds (row g + 8r, cols 2t + {0,1}); B: b[0] holds (rows 2t + {0,1}, col g).
+__device__ __forceinline__ void mma_m16n8k8_f16(float (&d)[4], const unsigned (&a)[2], const unsigned (&b)[1],
+                                                const float (&c)[4] CUFLASH_PTX_LINE) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+  twin::mma<twin::F16_K8>(d, a, b, c, "mma.m16n8k8.f16", line);
+#endif
+}
+
+// m16n8k8, tf32 inputs (f32 bit patterns; the low 13 mantissa bits are ignored). A: a[r] is (row g + 8(r&1),
+// col t + 4(r>>1)); B: b[r] is (row t + 4r, col g).
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                 const float (&c)[4] CUFLASH_PTX_LINE) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+  twin::mma<twin::TF32_K8>(d, a, b, c, "mma.m16n8k8.tf32", line);
+#endif
+}
+
+// ---- ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16 ------------------------------------------------
+// smem_row: this lane's row address (16 bytes, 16-byte aligned, in shared memory); lanes 8j..8j+7 give matrix j's
+// rows (lanes past 8N give addresses the instruction ignores).
+#if defined(__CUDA_ARCH__)
+#define CUFLASH_LDMATRIX(NAME, N, TRANS, PTX, OUTS)                                                       \
+  __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* smem_row) {                         \
+    unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));                            \
+    asm volatile(PTX : OUTS : "r"(addr) : "memory");                                                     \
+  }
+#else
+#define CUFLASH_LDMATRIX(NAME, N, TRANS, PTX, OUTS)                                                       \
+  __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* smem_row CUFLASH_PTX_LINE) {       \
+    twin::ldmatrix<N, TRANS>(r, smem_row, line);                                                          \
+  }
+#endif
+#define CUFLASH_OUT1 "=r"(r[0])
+#define CUFLASH_OUT2 "=r"(r[0]), "=r"(r[1])
+#define CUFLASH_OUT4 "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+CUFLASH_LDMATRIX(ldmatrix_x1, 1, false, "ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n", CUFLASH_OUT1)
+CUFLASH_LDMATRIX(ldmatrix_x2, 2, false, "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n", CUFLASH_OUT2)
+CUFLASH_LDMATRIX(ldmatrix_x4, 4, false, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n",
+                 CUFLASH_OUT4)
+CUFLASH_LDMATRIX(ldmatrix_x1_trans, 1, true, "ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n",
+                 CUFLASH_OUT1)
+CUFLASH_LDMATRIX(ldmatrix_x2_trans, 2, true, "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n",
+                 CUFLASH_OUT2)
+CUFLASH_LDMATRIX(ldmatrix_x4_trans, 4, true,
+                 "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n", CUFLASH_OUT4)
+#undef CUFLASH_LDMATRIX
+#undef CUFLASH_OUT1
+#undef CUFLASH_OUT2
+#undef CUFLASH_OUT4
+
+// ---- cp.async: global -> shared without passing through registers -----------------------------------------
+// Copies `bytes` (4, 8 or 16) from gmem to smem; when src_bytes < bytes, only src_bytes are read and the rest is
+// zero-filled (src_bytes = 0 reads nothing: a masked tail). The data is only guaranteed in shared memory after a
+// cp_async_wait that covers the copy's group; the emulator lands it exactly there, never earlier.
+#if defined(__CUDA_ARCH__)
+#define CUFLASH_CP_ASYNC(NAME, CACHE, BYTES)                                                               \
+  __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES) {            \
+    unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));                                   \
+    asm volatile("cp.async." CACHE ".shared.global [%0], [%1], " #BYTES ", %2;\n"                       \
+                 :: "r"(s), "l"(__cvta_generic_to_global(gmem)), "r"(src_bytes) : "memory");              \
+  }
+#else
+#define CUFLASH_CP_ASYNC(NAME, CACHE, BYTES)                                                               \
+  __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES CUFLASH_PTX_LINE) { \
+    ::cuflash_simt::cp_async(smem, gmem, BYTES, src_bytes, line);                                         \
+  }
+#endif
+CUFLASH_CP_ASYNC(cp_async_ca4, "ca", 4)
+CUFLASH_CP_ASYNC(cp_async_ca8, "ca", 8)
+CUFLASH_CP_ASYNC(cp_async_ca16, "ca", 16)
+CUFLASH_CP_ASYNC(cp_async_cg16, "cg", 16)  // .cg (L2 only) exists for 16 bytes alone
+#undef CUFLASH_CP_ASYNC
+
+// Close the group of this thread's cp.async copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#else
+  ::cuflash_simt::cp_async_commit();
+#endif
+}
+
+// Wait until at most N of this thread's most recent committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+#else
+  ::cuflash_simt::cp_async_wait(N);
+#endif
+}
+
+// Wait for every copy this thread issued (committed or not), like cp.async.wait_all.
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#else
+  ::cuflash_simt::cp_async_commit();
+  ::cuflash_simt::cp_async_wait(0);
+#endif
+}
+
+}  // namespace ptx
+}  // namespace cuflash
+
+#endif  // CUFLASH_PTX_CUH
