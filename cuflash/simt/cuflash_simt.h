@@ -117,28 +117,30 @@ inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u
 inline float bits_f32(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint64_t f64_bits(double f) { uint64_t u; std::memcpy(&u, &f, 8); return u; }
 
-// float16 from double, round to nearest even (float -> double is exact, so this also serves floats).
-inline unsigned short f64_to_f16(double v) {
+// A 16-bit float (P significand bits counting the implicit one, exponent bias B) from a double, rounded to
+// nearest even once. Integer arithmetic only: MXCSR's flush-to-zero (the emulation of -ftz) must not touch
+// 16-bit values, whose denormals the GPU keeps. (float -> double is exact, so this also serves floats.)
+template <int P, int B> inline unsigned short f64_to_small(double v) {
+  constexpr unsigned short inf = (unsigned short)(((1u << (15 - (P - 1))) - 1) << (P - 1));
   uint64_t x = f64_bits(v);
   unsigned short sign = (unsigned short)((x >> 48) & 0x8000);
   uint64_t ax = x & 0x7fffffffffffffffull;
-  if (ax > 0x7ff0000000000000ull) return 0x7fff;                     // NaN
-  if (ax >= 0x40effe0000000000ull) return sign | 0x7c00;             // >= 65520 rounds to inf
+  if (ax > 0x7ff0000000000000ull) return 0x7fff;                     // NaN: the canonical pattern
   int e = (int)(ax >> 52);                                           // biased double exponent
-  uint64_t m = (ax & 0xfffffffffffffull) | (e ? (1ull << 52) : 0);   // 53-bit significand
+  uint64_t m = (ax & 0xfffffffffffffull) | (e ? (1ull << 52) : 0);   // 53-bit significand: value = m 2^(e-1075)
   if (e == 0) e = 1;
-  // value = m * 2^(e - 1075); the half's unit in the last place is 2^-24 below 2^-14, else 2^(exp2 - 10).
-  int exp2 = e - 1023;                                               // floor(log2(value)) for normals
-  int ulp = exp2 < -14 ? -24 : exp2 - 10;                            // log2 of the half's ulp at value
-  int shift = ulp - (e - 1075);                                      // bits of m below the half's ulp
-  if (shift > 60) return sign;                                       // far below half a subnormal
+  int exp2 = e - 1023;                                               // floor(log2(value)) for normal doubles
+  if (exp2 > B) return sign | inf;                                   // beyond the largest binade
+  int ulp = (exp2 < 1 - B ? 1 - B : exp2) - (P - 1);                 // log2 of the result's unit in the last place
+  int shift = ulp - (e - 1075);                                      // bits of m below that unit (>= 53 - P)
+  if (shift > 60) return sign;                                       // far below half the smallest subnormal
   uint64_t q = m >> shift, rem = m & ((1ull << shift) - 1), half = 1ull << (shift - 1);
   if (rem > half || (rem == half && (q & 1))) q++;
-  // q counts ulps: below 2^-14 it is the subnormal significand; above, it carries the implicit bit.
-  if (exp2 < -14) return sign | (unsigned short)q;                   // q may reach 0x400: smallest normal
-  unsigned short biased = (unsigned short)(exp2 + 15);
-  return sign | (unsigned short)(((unsigned)biased << 10) + (unsigned)(q - 0x400));  // carry bumps exponent
+  if (exp2 < 1 - B) return sign | (unsigned short)q;                 // subnormal; q == 2^(P-1) is the smallest normal
+  // q carries the implicit bit; a carry out of the significand bumps the exponent (up to inf, exactly).
+  return sign | (unsigned short)(((unsigned)(exp2 + B) << (P - 1)) + (unsigned)(q - (1ull << (P - 1))));
 }
+inline unsigned short f64_to_f16(double v) { return f64_to_small<11, 15>(v); }
 
 inline float f16_to_f32(unsigned short h) {
   uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -157,22 +159,17 @@ inline unsigned short f32_to_bf16(float f) {
   if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fff;
   return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
-// bfloat16 from double, rounding once (not through float).
-inline unsigned short f64_to_bf16(double v) {
-  if (std::isnan(v)) return 0x7fff;
-  float f = (float)v;  // round to nearest float, then fix the tie cases double rounding would get wrong
-  uint32_t x = f32_bits(f);
-  uint32_t low = x & 0xffffu;
-  if (low == 0x8000u) {  // looks like a tie: decide it by the exact double
-    double back = (double)f;
-    if (v != back) {
-      bool above = std::fabs(v) > std::fabs(back);
-      return (unsigned short)(above ? (x >> 16) + 1 : (x >> 16));
-    }
-  }
-  return f32_to_bf16(f);
-}
+inline unsigned short f64_to_bf16(double v) { return f64_to_small<8, 127>(v); }
 inline float bf16_to_f32(unsigned short b) { return bits_f32((uint32_t)b << 16); }
+// bfloat16 denormals are float denormals, which MXCSR's denormals-are-zero would flush in a float -> double
+// conversion: scale them in double instead.
+inline double bf16_to_f64(unsigned short b) {
+  if ((b & 0x7f80) == 0) {
+    double mag = std::ldexp((double)(b & 0x7f), -133);
+    return (b & 0x8000) ? -mag : mag;
+  }
+  return (double)bf16_to_f32(b);
+}
 
 }  // namespace cuflash_simt
 
@@ -229,7 +226,7 @@ namespace cuflash_simt {
 inline __half mk_half(unsigned short b) { return __half(__half_raw{b}); }
 inline __nv_bfloat16 mk_bf16(unsigned short b) { return __nv_bfloat16(__nv_bfloat16_raw{b}); }
 inline double as_double(__half h) { return (double)f16_to_f32(h.__x); }
-inline double as_double(__nv_bfloat16 h) { return (double)bf16_to_f32(h.__x); }
+inline double as_double(__nv_bfloat16 h) { return bf16_to_f64(h.__x); }
 inline __half round_to(double v, __half*) { return mk_half(f64_to_f16(v)); }
 inline __nv_bfloat16 round_to(double v, __nv_bfloat16*) { return mk_bf16(f64_to_bf16(v)); }
 template <class H> H rnd(double v) { return round_to(v, (H*)nullptr); }
