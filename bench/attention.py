@@ -146,6 +146,7 @@ class Cpu:
     xp = np
     array_module = "numpy"
     timing = "time.perf_counter around each call"
+    min_sample_s = 0.0
     memory = {"device": "tracemalloc: peak traced bytes during one call, output included (NumPy reports its "
                         "allocations to tracemalloc)",
               "torch": "not measured on the CPU"}
@@ -193,7 +194,9 @@ class Cpu:
 class Gpu:
     gpu = True
     array_module = "cupy"
-    timing = "cupy.cuda.Event pair around each call on the null stream, cupy.cuda.get_elapsed_time"
+    timing = ("cupy.cuda.Event pair on the null stream around each call, or around a group of back-to-back calls "
+              "(calls_per_sample) when one call is shorter than 1 ms, so that host launch overhead hides")
+    min_sample_s = 1e-3
     memory = {"device": "growth of CuPy's default memory pool (total_bytes) during one call after free_all_blocks: "
                         "the call's peak, output included, rounded to the pool's block sizes",
               "torch": "torch.cuda.max_memory_allocated during one call after reset_peak_memory_stats, minus the "
@@ -401,10 +404,26 @@ def cuflash_runner(block) -> Runner:
         cuflash = import_cuflash()
         arrays = sets.native_arrays()
         options = dict(causal=point.causal, backend=dev.array_module, block=block)
-        return lambda i: cuflash.attention(*arrays[i % len(arrays)], **options)
+
+        def call(i):
+            return cuflash.attention(*arrays[i % len(arrays)], **options)
+
+        call.block = heuristic_block(point.dtype, point.d) if block is None and dev.gpu else block
+        return call
 
     name = "cuflash" if block is None else f"cuflash[{block[0]}x{block[1]}]"
     return Runner(name, "cuflash", "heuristic" if block is None else f"block={block[0]}x{block[1]}", prepare)
+
+
+def heuristic_block(dtype: str, d: int) -> Optional[Tuple[int, int]]:
+    """(Br, Bc) that cuflash's planner picks for this dtype and head dim on the current GPU; None if unknown."""
+    try:
+        from cuflash import tiling
+
+        config = tiling.choose(tiling.Workload(float_dtype(dtype), d, d), tiling.DeviceLimits.of())
+        return (config.Br, config.Bc)
+    except Exception:  # noqa: BLE001 - the planner's API may change; the block is only informative
+        return None
 
 
 def import_cuflash():
@@ -544,18 +563,30 @@ def is_cannot_run(exc) -> bool:
             or "No available kernel" in text or "No viable backend" in text or "out of memory" in text.lower())
 
 
-def time_calls(dev, call, warmup: int, repeats: int, budget_s: float) -> List[float]:
-    """Per-call seconds after warm-up; stops early once budget_s is spent (keeping at least 3 calls)."""
+def time_calls(dev, call, warmup: int, repeats: int, budget_s: float) -> Tuple[List[float], int]:
+    """Seconds per call after warm-up, one sample per group of back-to-back calls; stops early once budget_s is
+    spent (keeping at least 3 samples). A group is one call unless a call is shorter than dev.min_sample_s: then
+    enough calls are queued between the two events that the host's launch overhead hides behind the GPU's work."""
     for i in range(warmup):
         call(i)  # compiles kernels, fills plan caches
     dev.sync()
+    group = 1
+    if dev.min_sample_s:
+        one = dev.time_call(lambda: call(warmup))
+        group = max(1, min(100, math.ceil(dev.min_sample_s / max(one, 1e-9))))
     times: List[float] = []
-    begin = time.perf_counter()
-    for i in range(warmup, warmup + repeats):
-        times.append(dev.time_call(lambda: call(i)))
+    begin, start = time.perf_counter(), warmup + 1
+    while len(times) < repeats:
+        times.append(dev.time_call(lambda: run_group(call, start, group)) / group)
+        start += group
         if len(times) >= 3 and time.perf_counter() - begin > budget_s:
             break
-    return times
+    return times, group
+
+
+def run_group(call, start: int, count: int):
+    for i in range(start, start + count):
+        call(i)
 
 
 def measure(dev, runner: Runner, point: Point, sets: InputSets, preset: Preset, ref) -> dict:
@@ -565,7 +596,8 @@ def measure(dev, runner: Runner, point: Point, sets: InputSets, preset: Preset, 
         warnings.simplefilter("always")
         try:
             call = runner.prepare(dev, point, sets)
-            times = time_calls(dev, call, preset.warmup, preset.repeats, preset.budget_s)
+            rec["block"] = getattr(call, "block", None)
+            times, rec["calls_per_sample"] = time_calls(dev, call, preset.warmup, preset.repeats, preset.budget_s)
             rows, expected = ref
             rec["max_abs_err"] = float(np.max(np.abs(sample(call(0), rows) - expected)))
             rec["peak_bytes"] = dev.peak_bytes(lambda: call(0), runner.allocator)
@@ -610,7 +642,7 @@ def matmul_peak(dev, dtype: str, size: int, preset: Preset) -> dict:
     for via, make in tries.items():
         try:
             call = make()
-            median = float(np.median(time_calls(dev, call, preset.warmup, preset.repeats, preset.budget_s)))
+            median = float(np.median(time_calls(dev, call, preset.warmup, preset.repeats, preset.budget_s)[0]))
             tflops = 2 * size**3 / median / 1e12
             found["tries"][via] = {"time_ms": median * 1e3, "tflops": tflops}
             if found["tflops"] is None or tflops > found["tflops"]:
@@ -710,7 +742,7 @@ def run_sweep(dev, preset: Preset, points, runners, out: Path, meta: dict, time_
                                                               if peak["tflops"] else f"failed {peak['tries']}"))
     begin = time.perf_counter()
     for index, point in enumerate(points, 1):
-        late = time_limit is not None and time.perf_counter() - begin > time_limit
+        late = time_limit is not None and index > 1 and time.perf_counter() - begin > time_limit
         entry = dict(asdict(point), flops=point.flops(), input_sets=0, input_note=None)
         entry["results"] = run_point(dev, preset, point, runners, entry, late)
         relate(entry["results"], peer, results["matmul_peak"].get(point.dtype, {}).get("tflops"))
@@ -866,7 +898,7 @@ def plot_panel(ax, points, key):
 # ---------------------------------------------------------------------------------------------------------
 
 NCU_POINT = Point("float16", 1, 16, 4096, 4096, 128, False)
-NCU_BLOCK = (128, 64)
+ASSUMED_BLOCK = (128, 64)  # the model's tiles when the planner cannot be asked
 NCU_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
 UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
          "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -886,7 +918,7 @@ def ncu_problem(which: str) -> int:
         import cuflash
 
         def call():
-            return cuflash.attention(q, k, v, backend="cupy", block=NCU_BLOCK)
+            return cuflash.attention(q, k, v, backend="cupy")
     for _ in range(2):
         call()
     dev.sync()
@@ -913,10 +945,10 @@ def parse_ncu_csv(text: str) -> dict:
     return {"kernels": len(kernels), **totals, "total": sum(totals.values())}
 
 
-def ncu_models(point: Point) -> dict:
+def ncu_models(point: Point, block: Tuple[int, int]) -> dict:
     """Predicted DRAM bytes: cuflash's tile walk (and its compulsory lower bound), naive attention as written."""
     bh, itemsize = point.batch * point.heads, 2
-    walk = dict(itemsize=itemsize, Br=NCU_BLOCK[0], Bc=NCU_BLOCK[1], causal=point.causal, lse=False)
+    walk = dict(itemsize=itemsize, Br=block[0], Bc=block[1], causal=point.causal, lse=False)
     operands = bh * (point.n + 2 * point.m) * point.d * itemsize + bh * point.n * point.d * itemsize
     return {
         "cuflash": {"model": cost.kernel_traffic(bh, point.n, point.m, point.d, **walk).total,
@@ -931,8 +963,11 @@ def ncu_measure(out: Path, timeout: float) -> int:
     import shutil
 
     out.mkdir(parents=True, exist_ok=True)
-    models = ncu_models(NCU_POINT)
-    report = {"point": asdict(NCU_POINT), "block": list(NCU_BLOCK), "metrics": list(NCU_METRICS),
+    chosen = heuristic_block(NCU_POINT.dtype, NCU_POINT.d) if cuda_device_count() else None
+    block = chosen or ASSUMED_BLOCK
+    models = ncu_models(NCU_POINT, block)
+    report = {"point": asdict(NCU_POINT), "block": list(block), "block_from": "planner" if chosen else "assumed",
+              "metrics": list(NCU_METRICS),
               "command": command_line(sys.argv[1:]), "problems": {}}
     ncu = shutil.which("ncu")
     for which in ("naive", "cuflash"):
@@ -971,7 +1006,9 @@ def ncu_run(ncu: str, which: str, out: Path, timeout: float) -> dict:
 
 def ncu_markdown(report: dict) -> str:
     p = Point(**report["point"])
-    lines = [f"DRAM bytes of one problem ({p.label}), measured by ncu beside the model", "",
+    br, bc = report["block"]
+    lines = [f"DRAM bytes of one problem ({p.label}), measured by ncu beside the model "
+             f"(cuflash's tiles {br}x{bc}, {report['block_from']})", "",
              "| problem | kernels | read GB | write GB | total GB | model GB | measured / model | note |",
              "|---|---|---|---|---|---|---|---|"]
     for which, e in report["problems"].items():
@@ -995,6 +1032,21 @@ def gb(x):
 # ---------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------
+
+
+def make_meta(dev, name: str, preset: Preset, command: str, started: datetime.datetime) -> dict:
+    """What the JSON says besides the points: the machine, the versions, the command and how it measured."""
+    return {"schema": SCHEMA, "mode": "gpu" if dev.gpu else "cpu", "preset": name, "command": command,
+            "started": started.isoformat(timespec="seconds"), "env": environment(dev),
+            "method": {"timing": dev.timing, "warmup": preset.warmup, "repeats": preset.repeats,
+                       "budget_s_per_backend": preset.budget_s,
+                       "rotation": "each call takes the next of several input sets whose total exceeds twice the "
+                                   "L2 cache (between 2 and 8 sets)",
+                       "flops": "cuflash.cost.flops: 4*B*H*n*m*d dense, causal counted pair by pair",
+                       "peak_memory": dev.memory,
+                       "max_abs_err": f"against float64 attention on {ROWS_CHECKED} rows of the first and last "
+                                      "batch item of the first input set"},
+            "notes": []}
 
 
 def parse_args(argv):
@@ -1044,17 +1096,7 @@ def main(argv=None) -> int:
     runners = runners_for(dev, blocks, [w for w in (args.backends or "").split(",") if w])
     out = args.out or ROOT / "bench" / "results" / today / name
     started = datetime.datetime.now(datetime.timezone.utc)
-    meta = {"schema": SCHEMA, "mode": "gpu" if gpu else "cpu", "preset": name, "command": command_line(argv),
-            "started": started.isoformat(timespec="seconds"), "env": environment(dev),
-            "method": {"timing": dev.timing, "warmup": preset.warmup, "repeats": preset.repeats,
-                       "budget_s_per_backend": preset.budget_s,
-                       "rotation": "each call takes the next of several input sets whose total exceeds twice the "
-                                   "L2 cache (between 2 and 8 sets)",
-                       "flops": "cuflash.cost.flops: 4*B*H*n*m*d dense, causal counted pair by pair",
-                       "peak_memory": dev.memory,
-                       "max_abs_err": f"against float64 attention on {ROWS_CHECKED} rows of the first and last "
-                                      "batch item of the first input set"},
-            "notes": []}
+    meta = make_meta(dev, name, preset, command_line(argv), started)
     progress(f"{name}: {len(preset.points)} points x {len(runners)} backends on "
              f"{meta['env'].get('gpu') or 'the CPU'}, into {out}")
     results = run_sweep(dev, preset, list(preset.points), runners, out, meta, args.time_limit)

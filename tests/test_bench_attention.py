@@ -1,0 +1,320 @@
+"""bench/attention.py and bench/device_check.sh: the tiny CPU run end to end, the GPU path on NumPy posing as
+CuPy, the bookkeeping of backends that cannot run, the ncu parsing, and the device script's dry run."""
+
+import datetime
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuflash import cost
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "attention.py"
+DEVICE_CHECK = ROOT / "bench" / "device_check.sh"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", timeout=120, cwd=ROOT, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The tiny CPU run, as CI runs it
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    done = run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)])
+    assert done.returncode == 0, done.stderr
+    return out, done
+
+
+def test_tiny_run_records_every_point(tiny):
+    out, done = tiny
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == bench.SCHEMA and results["mode"] == "cpu" and results["preset"] == "tiny"
+    assert results["complete"] is True and results["wall_s"] > 0
+    assert results["command"].startswith("python bench/attention.py --tiny --out ")
+    assert {"python", "numpy", "cpu", "git_commit"} <= set(results["env"])
+    assert {"timing", "warmup", "repeats", "rotation", "flops", "peak_memory", "max_abs_err"} <= set(results["method"])
+    assert results["peer"] == "naive-numpy"
+    assert results["matmul_peak"]["float32"]["tflops"] > 0
+
+    assert len(results["points"]) == len(bench.PRESETS["tiny"].points)
+    for p in results["points"]:
+        point = bench.Point(**{k: p[k] for k in ("dtype", "batch", "heads", "n", "m", "d", "causal")})
+        assert p["flops"] == cost.flops(p["batch"] * p["heads"], p["n"], p["m"], p["d"], causal=p["causal"])
+        assert p["input_sets"] >= 2, point
+        assert [r["name"] for r in p["results"]] == ["cuflash", "cuflash[32x32]", "naive-numpy"]
+        for r in p["results"]:
+            assert r["status"] == "ok", r
+            assert r["time_ms"] > 0 and r["tflops"] > 0 and r["matmul_fraction"] > 0
+            assert np.median(r["times_ms"]) == pytest.approx(r["time_ms"])
+            assert r["max_abs_err"] < 1e-5
+            assert r["peak_bytes"] > 0 and "tracemalloc" in r["peak_bytes_method"]
+        naive = p["results"][-1]
+        assert naive["vs_peer"] == 1.0
+    assert "[6/6] float32" in done.stderr  # the progress display
+
+
+def test_tiny_run_writes_a_markdown_table(tiny):
+    out, _ = tiny
+    text = (out / "results.md").read_text()
+    assert text.startswith("# cuflash attention benchmark: tiny on ")
+    assert "`python bench/attention.py --tiny --out " in text
+    header = "| dtype | B×H | n | m | d | causal | backend | ms | GFLOP/s | of matmul | vs peer | peak MiB | max err | note |"
+    assert header in text
+    rows = [line for line in text.splitlines() if line.startswith("| float32 | ")]
+    assert len(rows) == 3 * len(bench.PRESETS["tiny"].points)
+    assert "| float32 | 2×2 | 256 | 256 | 16 | yes | naive-numpy | " in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is a bench-only dependency")
+def test_tiny_run_draws_plots(tiny):
+    out, _ = tiny
+    for name in ("rate.png", "memory.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_plots_are_skipped_with_a_note(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    results = {"mode": "cpu", "preset": "tiny", "points": []}
+    assert bench.draw_plots(results, tmp_path) == []
+    assert results["notes"] == ["plots skipped: matplotlib is not installed"]
+
+
+def test_a_gpu_preset_without_a_gpu_says_so():
+    done = run([sys.executable, str(SCRIPT), "--preset", "fa2", "--cpu"])
+    assert done.returncode == 2
+    assert "needs a CUDA GPU" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Presets
+
+
+def test_fa2_preset_is_the_tensor_core_targets():
+    points = bench.PRESETS["fa2"].points
+    assert {p.dtype for p in points} == {"float16", "bfloat16"}
+    assert {p.d for p in points} == {64, 128}
+    assert sorted({p.n for p in points}) == [1024, 2048, 4096, 8192, 16384]
+    assert {p.causal for p in points} == {False, True}
+    for p in points:
+        assert p.m == p.n and p.batch * p.n == 16384 and p.heads * p.d == 2048
+    dense = bench.Point("float16", 2, 16, 8192, 8192, 128, False)
+    assert dense.flops() == 4 * 2 * 16 * 8192 * 8192 * 128
+
+
+def test_presets_cover_the_sweep():
+    for name, preset in bench.PRESETS.items():
+        assert preset.points and preset.repeats >= 3 and preset.warmup >= 1, name
+        assert preset.gpu == (name in ("fa2", "sweep", "short")), name
+    sweep = bench.PRESETS["sweep"].points
+    assert any(p.m > p.n for p in sweep) and any(p.m < p.n for p in sweep)
+    assert {"float16", "bfloat16", "float32"} <= {p.dtype for p in sweep}
+    short = bench.PRESETS["short"].points
+    assert len(short) <= 10 and any(p.causal for p in short) and any(p.m != p.n for p in short)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A backend that cannot run a point is recorded, never fatal
+
+
+def failing_runner(exc):
+    def prepare(dev, point, sets):
+        raise exc
+
+    return bench.Runner("broken", "test", "x", prepare)
+
+
+@pytest.mark.parametrize("exc, status", [
+    (bench.Skip("PyTorch is not installed"), "skipped"),
+    (RuntimeError("No available kernel. Aborting execution."), "skipped"),
+    (type("BackendUnavailableError", (RuntimeError,), {})("no cupy backend"), "skipped"),
+    (ZeroDivisionError("a bug"), "error"),
+])
+def test_a_failing_backend_is_recorded_with_its_reason(exc, status):
+    dev, point = bench.Cpu(), bench.Point("float32", 1, 2, 8, 8, 4, False)
+    sets = bench.InputSets(dev, point, 2)
+    rec = bench.measure(dev, failing_runner(exc), point, sets, bench.PRESETS["tiny"], bench.reference(sets, point))
+    assert rec["status"] == status
+    assert str(exc) in rec["reason"]
+    assert "time_ms" not in rec
+
+
+def test_points_after_the_time_limit_are_skipped(tmp_path):
+    dev, preset = bench.Cpu(), bench.PRESETS["tiny"]
+    runners = bench.runners_for(dev, (), [])
+    meta = bench.make_meta(dev, "tiny", preset, "test", datetime.datetime.now())
+    results = bench.run_sweep(dev, preset, list(preset.points[:2]), runners, tmp_path, meta, time_limit=0.0)
+    first, second = results["points"]
+    assert all(r["status"] == "ok" for r in first["results"])
+    assert all(r["status"] == "skipped" and "time-limit" in r["reason"] for r in second["results"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The GPU path, run on NumPy posing as CuPy
+
+
+class FakeEvent:
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def fake_cupy():
+    """NumPy with the few CUDA calls the benchmark makes: enough to walk its GPU path on a CPU."""
+    cp = types.ModuleType("cupy")
+    cp.__version__ = "fake"
+    cp.__getattr__ = lambda name: getattr(np, name)
+    props = {"name": b"Fake GPU", "major": 9, "minor": 0, "multiProcessorCount": 1, "l2CacheSize": 2**16,
+             "totalGlobalMem": 2**30}
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: props, getDeviceCount=lambda: 1,
+                                    memGetInfo=lambda: (2**30, 2**30), driverGetVersion=lambda: 13000,
+                                    runtimeGetVersion=lambda: 13000)
+    pool = types.SimpleNamespace(total_bytes=lambda: 0, free_bytes=lambda: 0, free_all_blocks=lambda: None)
+
+    class RandomState(np.random.RandomState):
+        def standard_normal(self, size=None, dtype=np.float64):
+            return super().standard_normal(size).astype(dtype)
+
+    cp.cuda = types.SimpleNamespace(runtime=runtime, Event=FakeEvent,
+                                    Device=lambda: types.SimpleNamespace(id=0, synchronize=lambda: None),
+                                    get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3)
+    cp.get_default_memory_pool = lambda: pool
+    cp.random = types.SimpleNamespace(RandomState=RandomState)
+    return cp
+
+
+def test_the_gpu_path_runs_every_backend_or_says_why(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    dev = bench.Gpu()
+    points = (bench.Point("float16", 2, 2, 32, 32, 16, False), bench.Point("float16", 2, 2, 32, 64, 16, True),
+              bench.Point("bfloat16", 1, 2, 32, 32, 16, True))
+    preset = bench.Preset(points, ((32, 32),), True, 1, 3, 64, budget_s=0.1)
+    runners = bench.runners_for(dev, preset.blocks, [])
+    assert [r.name for r in runners] == ["cuflash", "cuflash[32x32]", "naive-cupy", "torch-flash",
+                                         "torch-efficient", "torch-cudnn", "torch-math"]
+    meta = bench.make_meta(dev, "fake", preset, "test", datetime.datetime.now())
+    results = bench.run_sweep(dev, preset, list(points), runners, tmp_path, meta, None)
+
+    assert results["env"]["gpu"] == "Fake GPU" and results["env"]["cuda_runtime"] == "13.0"
+    assert results["peer"] == "torch-flash"
+    assert results["matmul_peak"]["float16"]["via"] == "cupy"
+    assert "torch" in results["matmul_peak"]["float16"]["tries"]
+    for p in results["points"]:
+        by_name = {r["name"]: r for r in p["results"]}
+        naive = by_name["naive-cupy"]
+        assert naive["status"] == "ok" and naive["max_abs_err"] < 0.05, naive
+        assert naive["vs_peer"] is None  # the peer did not run
+        for name, r in by_name.items():
+            assert r["status"] in ("ok", "skipped", "error") and (r["status"] == "ok") == (r["reason"] is None)
+            if name.startswith("torch"):
+                assert r["status"] == "skipped"  # no PyTorch, or no CUDA for it
+    table = (tmp_path / "results.md").read_text()
+    assert "| float16 | 2×2 | 32 | 64 | 16 | yes | naive-cupy | " in table and "TFLOP/s" in table
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not a dependency of cuflash")
+def test_torch_sdpa_runs_through_dlpack_on_the_cpu(tmp_path):
+    dev = bench.Cpu()
+    points = (bench.Point("float32", 1, 2, 32, 32, 16, False), bench.Point("float32", 1, 2, 16, 48, 16, True))
+    preset = bench.Preset(points, (), False, 1, 3, 64, budget_s=0.1)
+    runners = bench.runners_for(dev, (), ["naive", "torch-math"])
+    meta = bench.make_meta(dev, "torch", preset, "test", datetime.datetime.now())
+    results = bench.run_sweep(dev, preset, list(points), runners, tmp_path, meta, None)
+    for p in results["points"]:
+        math_ = next(r for r in p["results"] if r["name"] == "torch-math")
+        assert math_["status"] == "ok" and math_["max_abs_err"] < 1e-5, math_  # bottom-right causal for n != m
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ncu
+
+
+NCU_CSV = '''==PROF== Connected to process 123 (python)
+==PROF== Profiling "gemm": 0%....50%....100% - 1 pass
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","123","python","127.0.0.1","gemm","1","7","(256, 1, 1)","(8, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"
+"0","123","python","127.0.0.1","gemm","1","7","(256, 1, 1)","(8, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","4096"
+"1","123","python","127.0.0.1","softmax","1","7","(128, 1, 1)","(64, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","2.5"
+"1","123","python","127.0.0.1","softmax","1","7","(128, 1, 1)","(64, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+==PROF== Disconnected from process 123
+'''
+
+
+def test_ncu_csv_is_summed_over_kernels():
+    found = bench.parse_ncu_csv(NCU_CSV)
+    assert found["kernels"] == 2
+    assert found["dram__bytes_read.sum"] == 1048576 + 2.5e6
+    assert found["dram__bytes_write.sum"] == 4096
+    assert found["total"] == 1048576 + 2.5e6 + 4096
+    with pytest.raises(ValueError):
+        bench.parse_ncu_csv("==ERROR== ERR_NVGPUCTRPERM")
+
+
+def test_ncu_models_come_from_cost():
+    p = bench.NCU_POINT
+    models = bench.ncu_models(p, (128, 64))
+    bh = p.batch * p.heads
+    assert models["cuflash"]["model"] == cost.kernel_traffic(bh, p.n, p.m, p.d, Br=128, Bc=64, lse=False).total
+    assert models["cuflash"]["lower_bound"] < models["cuflash"]["model"] < models["naive"]["seed_model"]
+    assert models["naive"]["model"] > models["naive"]["seed_model"]  # as written it makes more passes
+
+
+def test_ncu_without_ncu_reports_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert bench.ncu_measure(tmp_path / "ncu", timeout=5) == 1
+    report = json.loads((tmp_path / "ncu" / "ncu.json").read_text())
+    assert all(e["error"] == "ncu is not on PATH" for e in report["problems"].values())
+    assert "measured by ncu beside the model" in (tmp_path / "ncu" / "ncu.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# device_check.sh
+
+
+def test_device_check_is_valid_bash():
+    done = run(["bash", "-n", str(DEVICE_CHECK)])
+    assert done.returncode == 0, done.stderr
+
+
+def test_device_check_dry_run_lists_the_steps(tmp_path):
+    out = tmp_path / "check"
+    done = run(["bash", str(DEVICE_CHECK), "--dry-run", str(out)])
+    assert done.returncode == 0, done.stderr
+    steps = [line.split()[0] for line in done.stdout.splitlines()[1:]]
+    assert steps == ["env", "tests", "tests-ptx", "demo", "sweep", "ncu"]
+    limits = [int(line.split()[1].rstrip("s")) for line in done.stdout.splitlines()[1:]]
+    assert sum(limits) <= 450  # the whole stays under 8 minutes
+    assert "-m gpu" in done.stdout and "--preset short" in done.stdout and "--ncu" in done.stdout
+    assert not out.exists()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU driver")
+def test_device_check_without_a_gpu_stops_with_a_summary(tmp_path):
+    done = run(["bash", str(DEVICE_CHECK), str(tmp_path)])
+    assert done.returncode == 2, done.stdout + done.stderr
+    summary = (tmp_path / "summary.md").read_text()
+    assert "no CUDA GPU here" in summary and "| step | exit | seconds | log | note |" in summary
