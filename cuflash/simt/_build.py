@@ -110,8 +110,9 @@ def build(tu: str, mode: str, options=(), display_name: str = "kernel.cu") -> Pa
         src = Path(tmp) / "module.cpp"
         src.write_text(tu)
         lib = Path(tmp) / "module.so"
-        cmd = shlex.split(cxx) + flags + [str(src), "-o", str(lib)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        # Debug info names the kernel source relative to the build directory, not this process's cwd.
+        cmd = shlex.split(cxx) + flags + [f"-fdebug-prefix-map={tmp}=.", str(src), "-o", str(lib)]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if r.returncode != 0:
             raise CompileError(f"g++ could not compile {display_name} (mode {mode}):\n{r.stderr.strip()}")
         os.replace(lib, out)  # atomic: another process sees the whole file or none

@@ -41,6 +41,8 @@
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
+extern "C" void __asan_report_load_n(void* addr, size_t size);  // ASan's own reporters (not in its public header)
+extern "C" void __asan_report_store_n(void* addr, size_t size);
 #endif
 #if defined(CUFLASH_SIMT_RACE)
 #include <sanitizer/tsan_interface.h>
@@ -1041,10 +1043,9 @@ inline void cp_async(void* dst, const void* src, int size, int src_size, int lin
   if (src_size < 0 || src_size > size)
     fail_here("cp.async (line %d): src-size %d outside [0, %d]", line, src_size, size);
 #if defined(__SANITIZE_ADDRESS__)
-  // Check both ranges now, so an out-of-bounds copy is reported at the line that issues it.
-  char probe[16];
-  if (src_size) std::memcpy(probe, src, (size_t)src_size);
-  std::memcpy(probe, dst, (size_t)size);
+  // Check both ranges now, so that an out-of-bounds copy is reported at the line that issues it.
+  if (void* bad = __asan_region_is_poisoned(const_cast<void*>(src), (size_t)src_size)) __asan_report_load_n(bad, 1);
+  if (void* bad = __asan_region_is_poisoned(dst, (size_t)size)) __asan_report_store_n(bad, 1);
 #endif
   f->cp_queue.push_back(CpAsync{dst, src, size, src_size, f->cp_committed});
 }
@@ -1197,7 +1198,10 @@ inline void run_block(Block& b, StackSet& stacks) {
     Fiber& f = b.fibers[i];
     Stack& st = stacks.stacks[i];
 #if defined(__SANITIZE_ADDRESS__)
+    // Frames that never returned (the previous fiber's fiber_main and exit path, or all of an abandoned
+    // fiber's frames) leave poison in the stack's shadow; clear it where it could meet our own writes.
     if (f.dirty) __asan_unpoison_memory_region(st.lo, st.size);
+    else __asan_unpoison_memory_region(st.lo + st.size - 16384, 16384);
 #endif
     f.dirty = false;
     f.block = &b;
