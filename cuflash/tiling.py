@@ -273,11 +273,11 @@ CANDIDATES = tuple(BlockConfig(br, bc, w) for br, bc, w in (
 
 
 def _first_fit(workload, device) -> Optional[BlockConfig]:
-    for config in CANDIDATES:
-        if accumulator_words(workload, config) <= ACC_REGISTER_TARGET and \
-                not not_supported_reasons(workload, config, device, suggest=False):
-            return config
-    return None
+    """The first candidate within the register target that runs; failing that (the largest head dims), the first
+    that runs at all."""
+    runs = [c for c in CANDIDATES if not not_supported_reasons(workload, c, device, suggest=False)]
+    roomy = [c for c in runs if accumulator_words(workload, c) <= ACC_REGISTER_TARGET]
+    return (roomy or runs or [None])[0]
 
 
 def choose(workload, device: DeviceLimits) -> BlockConfig:
