@@ -6,10 +6,10 @@ g++ compiles the same source NVRTC compiles, against ``cuflash_simt.h``, which r
 """
 
 from ._build import CompileError, cache_dir
-from ._module import (DEFAULT_DYNAMIC_SHARED, H100_SHARED, MEMCHECK_HINT, RACE_HINT, Function, LaunchError,
-                      RawModule, asan_loaded, available, tsan_loaded, unavailable_reason)
+from ._module import (DEFAULT_DYNAMIC_SHARED, H100_SHARED, MEMCHECK_HINT, Function, LaunchError, RawModule,
+                      asan_loaded, available, unavailable_reason)
 from ._source import SourceError
 
 __all__ = ["RawModule", "Function", "LaunchError", "CompileError", "SourceError", "available",
-           "unavailable_reason", "asan_loaded", "tsan_loaded", "cache_dir", "H100_SHARED",
-           "DEFAULT_DYNAMIC_SHARED", "MEMCHECK_HINT", "RACE_HINT"]
+           "unavailable_reason", "asan_loaded", "cache_dir", "H100_SHARED",
+           "DEFAULT_DYNAMIC_SHARED", "MEMCHECK_HINT"]

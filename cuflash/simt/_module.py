@@ -18,7 +18,6 @@ _ORDERS = {"forward": 0, "reverse": 1}
 
 MEMCHECK_HINT = ("run Python with AddressSanitizer preloaded: "
                  "LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 python ...")
-RACE_HINT = "run Python with ThreadSanitizer preloaded: LD_PRELOAD=$(g++ -print-file-name=libtsan.so) python ..."
 
 
 class LaunchError(RuntimeError):
@@ -53,18 +52,12 @@ def asan_loaded() -> bool:
     return _runtime_loaded("libasan")
 
 
-def tsan_loaded() -> bool:
-    return _runtime_loaded("libtsan")
-
-
 def _resolve_mode(mode):
     mode = mode or os.environ.get("CUFLASH_SIMT_MODE") or "fast"
     if mode not in _build.MODES:
         raise ValueError(f"mode must be one of {_build.MODES}, not {mode!r}")
     if mode == "memcheck" and not asan_loaded():
         raise RuntimeError(f"memcheck mode needs AddressSanitizer in the process; {MEMCHECK_HINT}")
-    if mode == "race" and not tsan_loaded():
-        raise RuntimeError(f"race mode needs ThreadSanitizer in the process; {RACE_HINT}")
     return mode
 
 
@@ -110,8 +103,8 @@ class RawModule:
     """The emulator's twin of ``cupy.RawModule``: the same CUDA C++ source, options and name expressions,
     compiled by g++ for the CPU.
 
-    Beyond CuPy's arguments: ``mode`` ("fast", "memcheck" with AddressSanitizer, "race" with ThreadSanitizer;
-    default $CUFLASH_SIMT_MODE or "fast"), ``seed`` (the schedule: "forward", "reverse" or an int for a random
+    Beyond CuPy's arguments: ``mode`` ("fast", or "memcheck" with AddressSanitizer; default $CUFLASH_SIMT_MODE
+    or "fast"), ``seed`` (the schedule: "forward", "reverse" or an int for a random
     order; default $CUFLASH_SIMT_SEED or "forward"), ``workers`` (OS threads running blocks; default
     $CUFLASH_SIMT_WORKERS or the CPU count), ``max_dynamic_shared`` (the emulated device's per-block limit),
     ``stack_size`` (bytes per CUDA thread) and ``filename`` (the name messages give the source)."""

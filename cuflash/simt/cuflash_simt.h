@@ -2,14 +2,14 @@
 // NVRTC compiles, and runs each CUDA thread as a fiber on the CPU.
 //
 // One block runs its fibers cooperatively on one OS thread; blocks run in parallel on several OS threads
-// (one in the memcheck and race builds). A fiber runs until it blocks: at __syncthreads(), at a warp
+// (one in the memcheck build). A fiber runs until it blocks: at __syncthreads(), at a warp
 // collective (shuffles, votes, mma, ldmatrix ...) or when it exits. The scheduler then picks the next
 // ready fiber in the launch's order (forward, reverse or drawn from a seed). Everything a GPU leaves
 // undefined and that a test should hear about (barrier divergence, a warp collective some lane never
 // reaches, a deadlock, __trap, a failed assert) ends the launch with a message, never a hang or a crash.
 //
-// Build macros (set by the Python side): CUFLASH_SIMT_MEMCHECK (AddressSanitizer build),
-// CUFLASH_SIMT_RACE (ThreadSanitizer build), CUFLASH_SIMT_FTZ (flush float denormals, like CuPy's -ftz=true).
+// Build macros (set by the Python side): CUFLASH_SIMT_MEMCHECK (AddressSanitizer build), CUFLASH_SIMT_FTZ (flush
+// float32 denormals, like CuPy's -ftz=true).
 #ifndef CUFLASH_SIMT_H
 #define CUFLASH_SIMT_H
 
@@ -44,16 +44,13 @@
 extern "C" void __asan_report_load_n(void* addr, size_t size);  // ASan's own reporters (not in its public header)
 extern "C" void __asan_report_store_n(void* addr, size_t size);
 #endif
-#if defined(CUFLASH_SIMT_RACE)
-#include <sanitizer/tsan_interface.h>
-#endif
 
 // ------------------------------------------------------------------------------------------------
 // 1. CUDA keywords. __shared__ declarations are rewritten by the Python side (cuflash/simt/_source.py) so
 //    that each block gets fresh, poisoned shared memory; this macro only serves declarations it did not see.
 // ------------------------------------------------------------------------------------------------
-#if defined(CUFLASH_SIMT_MEMCHECK) || defined(CUFLASH_SIMT_RACE)
-#define CUFLASH_SIMT_SHARED static  // one OS thread runs every block; sanitizers see plain statics
+#if defined(CUFLASH_SIMT_MEMCHECK)
+#define CUFLASH_SIMT_SHARED static  // one OS thread runs every block; ASan instruments plain statics only
 #else
 #define CUFLASH_SIMT_SHARED static thread_local  // one block per OS thread at a time
 #endif
@@ -614,9 +611,6 @@ struct Fiber {
   char* stack_lo = nullptr;
   size_t stack_size = 0;
   void* fake_stack = nullptr;
-#if defined(CUFLASH_SIMT_RACE)
-  void* tsan_fiber = nullptr;
-#endif
 };
 
 struct Launch {
@@ -663,9 +657,6 @@ struct Worker {
   const void* sched_stack_bottom = nullptr;  // the OS thread's stack, for AddressSanitizer
   size_t sched_stack_size = 0;
   bool sched_stack_known = false;
-#if defined(CUFLASH_SIMT_RACE)
-  void* tsan_sched = nullptr;
-#endif
 };
 inline thread_local Worker tl;
 
@@ -721,9 +712,6 @@ inline void asan_landed(void* fake_save, const void** bottom_old, size_t* size_o
 // Switch from the running fiber back to the scheduler; returns if the scheduler ever resumes this fiber.
 inline void to_scheduler(Fiber* f, bool exiting = false) {
   asan_enter(exiting ? nullptr : &f->fake_stack, tl.sched_stack_bottom, tl.sched_stack_size);
-#if defined(CUFLASH_SIMT_RACE)
-  __tsan_switch_to_fiber(tl.tsan_sched, __tsan_switch_to_fiber_no_sync);
-#endif
   switch_context(f->ctx, tl.sched);
   asan_landed(f->fake_stack, nullptr, nullptr);
 }
@@ -792,9 +780,6 @@ inline void switch_away(Fiber* f, bool exiting = false) {
   if (next == f) return;
   tl.fiber = next;
   asan_enter(exiting ? nullptr : &f->fake_stack, next->stack_lo, next->stack_size);
-#if defined(CUFLASH_SIMT_RACE)
-  __tsan_switch_to_fiber(next->tsan_fiber, __tsan_switch_to_fiber_no_sync);
-#endif
   switch_context(f->ctx, next->ctx);
   asan_landed(f->fake_stack, nullptr, nullptr);
 }
@@ -836,18 +821,12 @@ inline void barrier_arrive(int line, int vote) {
   f->state = AT_BARRIER;
   f->line = line;
   f->what = "__syncthreads()";
-#if defined(CUFLASH_SIMT_RACE)
-  __tsan_release(&b.at_barrier);
-#endif
   if (++b.at_barrier == b.fibers.size()) {  // the last one opens the barrier for all
     b.at_barrier = 0;
     b.bar_result = b.bar_votes;
     release_all(b);
   }
   switch_away(f);
-#if defined(CUFLASH_SIMT_RACE)
-  __tsan_acquire(&b.at_barrier);
-#endif
 }
 
 inline Warp& my_warp(Fiber* f) { return f->block->warps[f->linear / 32]; }
@@ -890,9 +869,6 @@ inline void warp_collective(const Collective* op, unsigned mask, void* data, int
       if ((mask >> l) & 1) lanes[l] = w.lane[l].data;
     op->run(lanes, mask);
     w.arrived &= ~mask;
-#if defined(CUFLASH_SIMT_RACE)
-    __tsan_release(&w);
-#endif
     unsigned base = f->linear & ~31u, others = mask & ~bit;
     if (b.launch->order == Order::reverse)
       for (unsigned l = 32; l-- > 0;) { if ((others >> l) & 1) make_ready(b, base + l); }
@@ -900,17 +876,11 @@ inline void warp_collective(const Collective* op, unsigned mask, void* data, int
       for (unsigned l = 0; l < 32; l++) { if ((others >> l) & 1) make_ready(b, base + l); }
     if (b.launch->order == Order::random) yield();  // let the seed decide who goes next
   } else {
-#if defined(CUFLASH_SIMT_RACE)
-    __tsan_release(&w);
-#endif
     f->state = AT_WARP;
     f->line = line;
     f->what = op->name;
     switch_away(f);
   }
-#if defined(CUFLASH_SIMT_RACE)
-  __tsan_acquire(&w);
-#endif
 }
 
 // ---- shuffles (PTX shfl.sync semantics: a lane outside its segment reads its own value;
@@ -1026,9 +996,7 @@ inline void shared_fresh(const void* p, size_t n, int line) {
     fail_here("__shared__ array at line %d brings the block to %zu bytes of static and %zu of dynamic shared "
               "memory, more than the %zu the emulated device allows per block",
               line, b.static_bytes, b.launch->dyn_bytes, b.launch->smem_limit);
-#if !defined(CUFLASH_SIMT_RACE)
   std::memset(const_cast<void*>(p), 0xff, n);
-#endif
 }
 inline void* dynamic_shared() { return tl.block->dyn; }
 
@@ -1242,18 +1210,6 @@ inline void run_block(Block& b, StackSet& stacks) {
   tl.fiber = nullptr;
 }
 
-#if defined(CUFLASH_SIMT_RACE)
-// ThreadSanitizer sees each CUDA thread as a fiber; happens-before comes only from barriers, warp
-// collectives and block boundaries (switches themselves do not synchronize).
-inline void tsan_block_start(Block& b) {
-  for (Fiber& f : b.fibers) f.tsan_fiber = __tsan_create_fiber(0);
-  __tsan_release(&b);
-}
-inline void tsan_block_end(Block& b) {
-  __tsan_acquire(&b);
-  for (Fiber& f : b.fibers) __tsan_destroy_fiber(f.tsan_fiber);
-}
-#endif
 
 // ------------------------------------------------------------------------------------------------
 // 10. Launch: workers take blocks from a shared counter; the first failure stops them all.
@@ -1294,22 +1250,13 @@ inline void run_worker(Launch& L) {
 #if defined(CUFLASH_SIMT_FTZ)
   set_mxcsr(saved_mxcsr | 0x8040);  // flush denormal results and inputs to zero, like CuPy's -ftz=true
 #endif
-#if defined(CUFLASH_SIMT_RACE)
-  tl.tsan_sched = __tsan_get_current_fiber();
-#endif
   while (!L.failed.load(std::memory_order_relaxed)) {
     unsigned long long id = L.next.fetch_add(1);
     if (id >= L.nblocks) break;
     b.linear = id;
     b.idx = uint3{(unsigned)(id % L.grid.x), (unsigned)(id / L.grid.x % L.grid.y),
                   (unsigned)(id / ((unsigned long long)L.grid.x * L.grid.y))};
-#if defined(CUFLASH_SIMT_RACE)
-    tsan_block_start(b);
-#endif
     run_block(b, *stacks);
-#if defined(CUFLASH_SIMT_RACE)
-    tsan_block_end(b);
-#endif
     if (b.failed) {
       record_failure(L, b.error);
       break;
@@ -1344,8 +1291,8 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
   L.order = (Order)order;
   L.seed = seed;
   L.stack_size = stack_size;
-#if defined(CUFLASH_SIMT_MEMCHECK) || defined(CUFLASH_SIMT_RACE)
-  workers = 1;  // static __shared__ arrays are plain statics in these builds
+#if defined(CUFLASH_SIMT_MEMCHECK)
+  workers = 1;  // static __shared__ arrays are plain statics in this build
 #endif
   unsigned long long nw = workers < 1 ? 1 : (unsigned long long)workers;
   if (nw > L.nblocks) nw = L.nblocks;
