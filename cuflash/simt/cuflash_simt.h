@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #if !defined(__x86_64__)
@@ -648,9 +649,12 @@ struct Block {
   std::string error;
 };
 
+struct StackSet;
+
 // What the OS thread running a block knows; fibers read it through threadIdx & co.
 struct Worker {
   Launch* launch = nullptr;
+  StackSet* stacks = nullptr;
   Block* block = nullptr;
   Fiber* fiber = nullptr;
   Context sched;
@@ -1148,6 +1152,40 @@ inline void release_stacks(StackSet* s) {
   pool().push_back(s);
 }
 
+// A fiber that runs into its stack's guard page gets a message saying so before the process dies (there is
+// no safe way back into Python from there). Other faults go on to whoever handled SIGSEGV before us (Python's
+// faulthandler under pytest). AddressSanitizer reports stack overflows itself.
+inline struct sigaction& previous_segv() { static struct sigaction a; return a; }
+inline void on_segv(int sig, siginfo_t* info, void* ctx) {
+  Worker& w = tl;
+  uintptr_t a = (uintptr_t)info->si_addr, page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  if (w.launch && w.stacks)
+    for (const Stack& st : w.stacks->stacks)
+      if (a >= (uintptr_t)st.lo - page && a < (uintptr_t)st.lo) {
+        char msg[512];
+        int n = snprintf(msg, sizeof msg, "cuflash.simt: kernel '%s' overflowed its %zu-byte stack per CUDA thread "
+                         "(large local arrays?); pass a bigger stack_size= to RawModule\n", w.launch->kernel,
+                         st.size);
+        if (write(2, msg, (size_t)n) < 0) {}
+        break;
+      }
+  sigaction(SIGSEGV, &previous_segv(), nullptr);  // the faulting access repeats under the previous handler
+  (void)sig; (void)ctx;
+}
+inline void install_overflow_handler() {
+#if !defined(__SANITIZE_ADDRESS__)
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction a;
+    std::memset(&a, 0, sizeof a);
+    a.sa_sigaction = on_segv;
+    a.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&a.sa_mask);
+    sigaction(SIGSEGV, &a, &previous_segv());
+  });
+#endif
+}
+
 inline void run_block(Block& b, StackSet& stacks) {
   Launch& L = *b.launch;
   unsigned n = L.nthreads;
@@ -1231,6 +1269,13 @@ inline void run_worker(Launch& L) {
     }
     stacks->stacks.push_back(s);
   }
+  // The overflow handler needs a stack of its own: the faulting one is full.
+  std::vector<char> alt_mem(64 * 1024);
+  stack_t alt{}, old_alt{};
+  alt.ss_sp = alt_mem.data();
+  alt.ss_size = alt_mem.size();
+  sigaltstack(&alt, &old_alt);
+  tl.stacks = stacks;
   Block b;
   b.launch = &L;
   b.fibers.resize(n);
@@ -1264,6 +1309,7 @@ inline void run_worker(Launch& L) {
   }
   set_mxcsr(saved_mxcsr);
   tl = Worker{};
+  sigaltstack(&old_alt, nullptr);
   std::free(dyn);
   release_stacks(stacks);
 }
@@ -1294,6 +1340,7 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
 #if defined(CUFLASH_SIMT_MEMCHECK)
   workers = 1;  // static __shared__ arrays are plain statics in this build
 #endif
+  install_overflow_handler();
   unsigned long long nw = workers < 1 ? 1 : (unsigned long long)workers;
   if (nw > L.nblocks) nw = L.nblocks;
   std::vector<std::thread> pool;

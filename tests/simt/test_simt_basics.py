@@ -275,3 +275,20 @@ def test_reduction_speed(mod):
     print(f"\n1000 blocks x 128 threads x 10 barriers: {min(times) * 1e3:.1f} ms (best of 3, {os.cpu_count()} CPUs)")
     np.testing.assert_allclose(out, x.reshape(1000, 128).sum(1), rtol=1e-4, atol=1e-4)
     assert min(times) < 5.0
+
+
+def test_fiber_stack_overflow_says_so(tmp_path):
+    """A kernel whose locals overflow the per-thread stack kills the process (as a GPU kernel would fault), but
+    first says what happened and what to change."""
+    import subprocess
+    import sys
+    script = tmp_path / "overflow.py"
+    script.write_text(
+        "import numpy as np\nfrom cuflash import simt\n"
+        "m = simt.RawModule(code='extern \"C\" __global__ void big(float* o) { volatile float a[40000]; "
+        "for (int i = 0; i < 40000; i++) a[i] = i; o[threadIdx.x] = a[39999]; }', stack_size=64 * 1024)\n"
+        "m.get_function('big')((1,), (4,), (np.zeros(4, np.float32),))\n")
+    env = dict(os.environ, PYTHONPATH=str(simt_util.ROOT))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0
+    assert "kernel 'big' overflowed its 65536-byte stack" in r.stderr and "stack_size=" in r.stderr, r.stderr
