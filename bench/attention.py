@@ -31,7 +31,7 @@ import sys
 import time
 import tracemalloc
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -112,9 +112,10 @@ PRESETS = {
                           + grid(("float16",), (128,), (1024,), m_per_n=4)),
                     ((128, 64),), True, 2, 10, 8192, budget_s=1.0),
     # A CPU without a GPU: the NumPy backend against naive NumPy.
-    "cpu": Preset(tuple(grid(("float32", "float64"), (64,), (256, 1024, 2048), tokens=2048, hidden=256)
-                        + grid(("float32",), (64,), (512,), m_per_n=4, tokens=2048, hidden=256)),
-                  ((128, 256),), False, 1, 5, 1024),
+    "cpu": Preset(tuple(grid(("float32",), (64,), (256, 512, 1024), tokens=1024, hidden=256)
+                        + grid(("float64",), (64,), (1024,), causals=(False,), tokens=1024, hidden=256)
+                        + grid(("float32",), (64,), (256,), m_per_n=4, tokens=1024, hidden=256)),
+                  ((128, 256),), False, 1, 5, 1024, budget_s=1.0),
     # CI: a few seconds.
     "tiny": Preset(tuple(grid(("float32",), (16,), (64, 256), tokens=512, hidden=32)
                          + grid(("float32",), (16,), (64,), m_per_n=2, tokens=512, hidden=32)),
@@ -258,7 +259,8 @@ class Gpu:
         rt, p = self.cp.cuda.runtime, self.props
         name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
         return {"gpu": name, "compute_capability": f"{p['major']}.{p['minor']}",
-                "sm_count": p["multiProcessorCount"], "l2_bytes": p["l2CacheSize"], "memory_bytes": p["totalGlobalMem"],
+                "sm_count": p.get("multiProcessorCount"), "l2_bytes": p.get("l2CacheSize"),
+                "memory_bytes": p.get("totalGlobalMem"),
                 "driver": nvidia_smi_driver(), "cuda_driver_api": cuda_version(rt.driverGetVersion()),
                 "cuda_runtime": cuda_version(rt.runtimeGetVersion())}
 
@@ -830,18 +832,49 @@ def markdown(results: dict) -> str:
     for dtype, peak in results["matmul_peak"].items():
         shape = "x".join(map(str, peak["shape"]))
         lines.append(f"| {dtype} {shape} | {peak['via']} | {fmt(scaled(peak['tflops'], factor), '.4g')} |")
+    lines += targets_table(results["points"]) if results["mode"] == "gpu" else []
     lines += ["", f"| dtype | B×H | n | m | d | causal | backend | ms | {unit} | of matmul | vs peer | peak MiB "
               "| max err | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in results["points"]:
-        head = f"| {p['dtype']} | {p['batch']}×{p['heads']} | {p['n']} | {p['m']} | {p['d']} | {'yes' if p['causal'] else ''}"
-        for r in p["results"]:
-            peak = r.get("peak_bytes")
-            note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason'][:120]}".replace("|", "/")
-            lines.append(f"{head} | {r['name']} | {fmt(r.get('time_ms'), '.3f')} | {fmt(scaled(r.get('tflops'), factor), '.4g')} "
-                         f"| {fmt(r.get('matmul_fraction'), '.2f')} | {fmt(r.get('vs_peer'), '.2f')} "
-                         f"| {fmt(None if peak is None else peak / cost.MiB, '.1f')} "
-                         f"| {fmt(r.get('max_abs_err'), '.1e')} | {note} |")
+        lines += [markdown_row(p, r, factor) for r in p["results"]]
     return "\n".join(lines) + "\n"
+
+
+def target_tflops(p: dict) -> Optional[float]:
+    """The tensor-core issue's forward targets on the H200 (n = m, float16/bfloat16), None where it sets none."""
+    if p["n"] != p["m"] or p["dtype"] not in HALF:
+        return None
+    if p["causal"]:
+        return 300.0 if p["d"] == 128 and p["n"] >= 8192 else None
+    return {128: 370.0, 64: 320.0}.get(p["d"])
+
+
+def targets_table(points: List[dict]) -> List[str]:
+    """Per point with a target: cuflash's fastest variant against the target and against torch-flash."""
+    lines = ["", "| target | point | cuflash (fastest variant) TFLOP/s | torch-flash TFLOP/s | met |",
+             "|---|---|---|---|---|"]
+    for p in points:
+        target = target_tflops(p)
+        if target is None:
+            continue
+        ok = [r for r in p["results"] if r["status"] == "ok"]
+        best = max((r for r in ok if r["backend"] == "cuflash"), key=lambda r: r["tflops"], default=None)
+        peer = next((r for r in ok if r["name"] == "torch-flash"), None)
+        met = best is not None and best["tflops"] >= target and (peer is None or best["time_ms"] <= peer["time_ms"])
+        label = f"{p['dtype']} {p['batch']}×{p['heads']} n={p['n']} d={p['d']}{' causal' if p['causal'] else ''}"
+        lines.append(f"| {target:.0f} | {label} | " + (f"{best['tflops']:.1f} ({best['name']})" if best else "")
+                     + f" | {fmt(peer and peer['tflops'], '.1f')} | {'yes' if met else 'no'} |")
+    return lines if len(lines) > 3 else []
+
+
+def markdown_row(p: dict, r: dict, factor: float) -> str:
+    peak = r.get("peak_bytes")
+    note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason'][:120]}".replace("|", "/")
+    cells = [p["dtype"], f"{p['batch']}×{p['heads']}", p["n"], p["m"], p["d"], "yes" if p["causal"] else "",
+             r["name"], fmt(r.get("time_ms"), ".3f"), fmt(scaled(r.get("tflops"), factor), ".4g"),
+             fmt(r.get("matmul_fraction"), ".2f"), fmt(r.get("vs_peer"), ".2f"),
+             fmt(None if peak is None else peak / cost.MiB, ".1f"), fmt(r.get("max_abs_err"), ".1e"), note]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def draw_plots(results: dict, out: Path) -> List[Path]:

@@ -81,7 +81,8 @@ def test_tiny_run_writes_a_markdown_table(tiny):
     text = (out / "results.md").read_text()
     assert text.startswith("# cuflash attention benchmark: tiny on ")
     assert "`python bench/attention.py --tiny --out " in text
-    header = "| dtype | B×H | n | m | d | causal | backend | ms | GFLOP/s | of matmul | vs peer | peak MiB | max err | note |"
+    header = ("| dtype | B×H | n | m | d | causal | backend | ms | GFLOP/s | of matmul | vs peer | peak MiB "
+              "| max err | note |")
     assert header in text
     rows = [line for line in text.splitlines() if line.startswith("| float32 | ")]
     assert len(rows) == 3 * len(bench.PRESETS["tiny"].points)
@@ -234,6 +235,23 @@ def test_the_gpu_path_runs_every_backend_or_says_why(monkeypatch, tmp_path):
                 assert r["status"] == "skipped"  # no PyTorch, or no CUDA for it
     table = (tmp_path / "results.md").read_text()
     assert "| float16 | 2×2 | 32 | 64 | 16 | yes | naive-cupy | " in table and "TFLOP/s" in table
+
+
+def test_the_targets_table_compares_cuflash_with_the_target_and_the_peer():
+    def point(n, causal, cuflash_tflops, peer_tflops):
+        results = [{"name": "cuflash", "backend": "cuflash", "status": "ok", "tflops": cuflash_tflops,
+                    "time_ms": 1 / cuflash_tflops},
+                   {"name": "torch-flash", "backend": "torch-sdpa", "status": "ok", "tflops": peer_tflops,
+                    "time_ms": 1 / peer_tflops}]
+        return dict(dtype="float16", batch=16384 // n, heads=16, n=n, m=n, d=128, causal=causal, results=results)
+
+    lines = bench.targets_table([point(4096, False, 400.0, 390.0), point(4096, False, 380.0, 390.0),
+                                 point(1024, True, 100.0, 90.0), point(8192, True, 310.0, 300.0)])
+    rows = lines[3:]
+    assert len(rows) == 3  # causal at n < 8k has no target
+    assert rows[0].startswith("| 370 |") and rows[0].endswith("| yes |")
+    assert rows[1].endswith("| no |")  # above the target but slower than torch-flash
+    assert rows[2].startswith("| 300 |") and rows[2].endswith("| yes |")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not a dependency of cuflash")
