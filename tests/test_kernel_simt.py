@@ -46,8 +46,8 @@ def test_head_dims_past_256_in_float32_and_float64(case):
 BLOCKS = ((16, 16), BlockConfig(8, 16, warps=4), BlockConfig(4, 32, warps=2), (32, 64), BlockConfig(16, 48, 8))
 
 
-@given(cases(lengths=(1, 5, 33, 97), head_dims=(1, 3, 16, 59), max_batch_dims=1))
-@settings(max_examples=12)
+@given(cases(lengths=(1, 5, 33, 97), head_dims=(1, 3, 16), max_batch_dims=1))
+@settings(max_examples=10)
 def test_block_configurations(case):
     """Small tiles sweep many key tiles: rescaling, straddling windows, tails in both directions."""
     for block in BLOCKS:
@@ -55,7 +55,7 @@ def test_block_configurations(case):
 
 
 @pytest.mark.parametrize("schedule", ["reverse", "20261129"])
-@given(cases(lengths=(7, 64, 113), head_dims=(3, 64), max_batch_dims=1))
+@given(cases(lengths=(7, 64, 113), head_dims=(3, 16), max_batch_dims=1))
 @settings(max_examples=6)
 def test_emulator_schedules(schedule, case):
     """Other orders of the threads between barriers: a missing __syncthreads would show here."""

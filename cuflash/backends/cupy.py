@@ -1,0 +1,74 @@
+"""The cupy backend: the CUDA kernels on CuPy arrays, compiled at run time by cupy.RawModule (NVRTC).
+
+Planning and launching are shared with the simt backend (cuflash.tiling, cuflash.launch). Each instantiation is
+compiled once per process and device from the one assembled source string (CuPy's disk cache keys on it), with
+-I for cuda_fp16.h/cuda_bf16.h (CuPy ships neither; the nvidia-cuda-runtime wheel does). After compiling, the
+kernel's attributes are checked: a spill to local memory in a configuration the heuristic chooses is a bug.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .. import launch, nvrtc, tiling
+
+ARRAYS = "cupy"
+
+_functions = {}  # (device id, options, name expression) -> cupy function
+_limits = {}  # device id -> DeviceLimits
+
+
+def unavailable():
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install cuflash[cuda12] or cuflash[cuda13])"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            return "no CUDA device is visible"
+    except Exception as exc:  # no driver, no device
+        return f"CUDA is not usable here ({exc})"
+    if not nvrtc.include_dirs():
+        return ("cuda_fp16.h was not found: pip install nvidia-cuda-runtime-cu12 (CUDA 12) or nvidia-cuda-runtime "
+                "(CUDA 13), or set CUDA_PATH to a CUDA toolkit")
+    return None
+
+
+def device_limits(device_id: int) -> tiling.DeviceLimits:
+    limits = _limits.get(device_id)
+    if limits is None:
+        limits = _limits[device_id] = tiling.DeviceLimits.of(device_id)
+    return limits
+
+
+def run(problem, out, lse, block=None):
+    device = out.device
+    with device:
+        limits = device_limits(device.id)
+        config = tiling.resolve(block, problem, limits)
+        chosen = block is None
+
+        def get_kernel(name, shared_mem):
+            return kernel(device.id, name, shared_mem, limits, check_spills=chosen)
+
+        launch.run(problem, out, lse, config, get_kernel)
+
+
+def kernel(device_id: int, name: str, shared_mem: int, limits, check_spills=True):
+    import cupy
+
+    options = tuple(nvrtc.options())
+    key = (device_id, options, name)
+    function = _functions.get(key)
+    if function is None:
+        module = cupy.RawModule(code=launch.source(), options=options, name_expressions=[name])
+        function = module.get_function(name)
+        local = function.local_size_bytes
+        if local and check_spills:
+            warnings.warn(f"cuflash: {name} uses {local} bytes of local memory per thread on {limits.name} "
+                          f"({function.num_regs} registers): a spill in a configuration the heuristic chose; "
+                          f"please report it", RuntimeWarning, stacklevel=4)
+        _functions[key] = function
+    if shared_mem > limits.smem_default and function.max_dynamic_shared_size_bytes < shared_mem:
+        function.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above 48 KiB
+    return function

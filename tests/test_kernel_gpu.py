@@ -1,0 +1,90 @@
+"""The forward kernel on a CUDA device (backend="cupy"): the simt properties on CuPy arrays, and one problem
+whose operands pass 2**31 elements. Skipped only when CuPy or a CUDA device is missing."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cuflash
+from harness import check_case
+from strategies import FLOAT_DTYPES, Case, cases
+
+
+def _device_count():
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # CuPy missing, no driver
+        return 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_device_count() == 0, reason="no CUDA device")]
+
+
+def _cupy_dtypes():
+    """bfloat16 only where this CuPy holds ml_dtypes' bfloat16 arrays."""
+    import cupy
+    try:
+        cupy.asarray(np.zeros(1, ml_dtypes.bfloat16))
+        return FLOAT_DTYPES
+    except Exception:
+        return tuple(t for t in FLOAT_DTYPES if t.name != "bfloat16")
+
+
+def to_device(x):
+    import cupy
+    return cupy.asarray(x)
+
+
+DTYPES = _cupy_dtypes() if _device_count() else FLOAT_DTYPES
+
+
+@given(cases(dtypes=DTYPES, lengths=(0, 1, 7, 31, 64, 113, 203, 300), head_dims=(1, 3, 59, 64, 111, 128, 256)))
+@settings(max_examples=150)
+def test_matches_reference(case):
+    check_case(case, backend="cupy", to_device=to_device)
+
+
+@given(cases(dtypes=DTYPES, lengths=(1, 5, 33, 97), head_dims=(1, 3, 16, 59), max_batch_dims=1))
+@settings(max_examples=30)
+def test_block_configurations(case):
+    for block in ((16, 16), cuflash.BlockConfig(8, 16, warps=4), (32, 64), cuflash.BlockConfig(16, 48, 8)):
+        check_case(case, backend="cupy", to_device=to_device, block=block)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_head_dims_to_512(dtype):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 70, 300), (2, 90, 300), (2, 90, 512)))
+    check_case(Case(q, k, v, {"causal": True}), backend="cupy", to_device=to_device)
+
+
+def test_operands_past_two_to_the_31_elements():
+    """k and v of 2**31 + 4096 elements each: offsets past 2**31 must not wrap. A window keeps the work to the
+    last keys, which sit past the 32-bit range."""
+    import cupy
+    d, n = 64, 8
+    m = 2**31 // d + 64
+    rng = np.random.default_rng(1)
+    k = cupy.zeros((1, m, d), dtype=cupy.float16)
+    v = cupy.zeros((1, m, d), dtype=cupy.float16)
+    tail = 300
+    k_tail = rng.standard_normal((tail, d)).astype(np.float16)
+    v_tail = rng.standard_normal((tail, d)).astype(np.float16)
+    k[0, m - tail:] = cupy.asarray(k_tail)
+    v[0, m - tail:] = cupy.asarray(v_tail)
+    q = rng.standard_normal((1, n, d)).astype(np.float16)
+    window = (100, 0)
+    out = cuflash.attention(cupy.asarray(q), k, v, window=window).get()
+    # Row i sees keys i + (m - n) - 100 ... i + (m - n): all inside the tail, at tail index i + first.
+    first = tail - n
+    expected = np.stack([_row(q[0, i], k_tail, v_tail, i + first - 100, i + first) for i in range(n)])
+    np.testing.assert_allclose(out[0].astype(np.float64), expected, atol=2e-3, rtol=2e-2)
+
+
+def _row(qi, k, v, lo, hi):
+    lo = max(lo, 0)
+    s = (k[lo:hi + 1].astype(np.float64) @ qi.astype(np.float64)) / np.sqrt(k.shape[1])
+    w = np.exp(s - s.max())
+    return (w / w.sum()) @ v[lo:hi + 1].astype(np.float64)
