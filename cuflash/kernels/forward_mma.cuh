@@ -1,0 +1,299 @@
+// The forward pass on tensor cores (FlashAttention-2 style) for __half and __nv_bfloat16 on sm_80 and newer.
+//
+// One thread block per Br query rows of one batch item; its warps split the rows, MT m16 tiles (16 * MT rows)
+// each. Per key tile of Bc keys:
+//   S = Q_i K_j^T     mma.m16n8k16 (f32 accumulate); Q_i as A fragments (in registers for the whole sweep when
+//                     they fit, else from shared memory), K_j through ldmatrix as the column-major B operand;
+//   online softmax    directly on the accumulator fragments: a row lives in the four lanes of a quad, so the
+//                     row max and sum need two shuffles; scale * log2(e) is folded into one multiplier (exp2);
+//   O_i += P V_j      P rounded to T in registers is the A operand, V_j through ldmatrix.trans.
+// K_j and V_j stream through Stages shared-memory buffers with cp.async: tile j + Stages - 1 is in flight while
+// tile j is computed. The epilogue stages O_i / l_i through shared memory so global stores are coalesced.
+//
+// Semantics are the CUDA-core kernel's (forward.cuh): same arguments, visibility by selection, fully masked
+// rows give 0 and lse -inf. A hidden key whose value row holds inf or NaN must not reach a row through 0 * inf:
+// on tiles with hidden keys, a block vote looks for non-finite values in V_j, and only then P V_j runs on CUDA
+// cores with hidden keys skipped per (row, key), exactly like forward.cuh.
+//
+// Template: T element type; Br, Bc tile sizes; D, E head-dim buckets (multiples of 32 up to 256; the actual
+// d, e are run-time values, tails zero-filled); Warps per block; Stages of the K/V pipeline (2 or 3).
+#pragma once
+
+#include "forward.cuh"
+#include "mma_tile.cuh"
+
+namespace cuflash {
+
+// Shared memory of one block (cuflash/tensorcore.py mirrors it): Stages K and V tiles, then the Q tile, whose
+// space the epilogue reuses for O; P's scratch (the rare CUDA-core P V) shares it too when Q sits in registers.
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+struct MmaShared {
+    static constexpr int MT = Br / (16 * Warps);         // m16 tiles per warp
+    static constexpr bool kQInRegisters = MT * D <= 128;  // MT * D / 4 registers of A fragments
+    static constexpr int LDQ = mma::Padded<D>::ld, LDK = mma::Padded<D>::ld, LDV = mma::Padded<E>::ld;
+    static constexpr int LDO = mma::Padded<E>::ld, LDP = mma::Padded<Bc>::ld;
+    static constexpr size_t k_stage = sizeof(T) * Bc * LDK, v_stage = sizeof(T) * Bc * LDV;
+    static constexpr size_t q_bytes = sizeof(T) * Br * (LDQ > LDO ? LDQ : LDO);
+    static constexpr size_t p_bytes = sizeof(T) * Warps * 16 * LDP;
+    static constexpr size_t k_offset = 0;
+    static constexpr size_t v_offset = k_offset + Stages * k_stage;
+    static constexpr size_t q_offset = v_offset + Stages * v_stage;
+    static constexpr size_t p_offset = kQInRegisters ? q_offset : q_offset + q_bytes;
+    static constexpr size_t bytes = kQInRegisters ? q_offset + (q_bytes > p_bytes ? q_bytes : p_bytes)
+                                                  : p_offset + p_bytes;
+};
+
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+__global__ void __launch_bounds__(Warps * 32, 1)
+fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+        const bool* __restrict__ mask, const float* __restrict__ bias, T* __restrict__ out,
+        float* __restrict__ lse, const long long* __restrict__ geometry,
+        long long n, long long m, long long d, long long e, float scale_log2,
+        long long left, long long right, int flags) {
+    using Smem = MmaShared<T, Br, Bc, D, E, Warps, Stages>;
+    constexpr int Threads = Warps * 32, MT = Smem::MT;
+    constexpr int NT = Bc / 8, ET = E / 8, KD = D / 16;  // n8 tiles of S and of O; k16 steps of Q K^T
+    constexpr bool kQRegs = Smem::kQInRegisters;
+    static_assert(MT >= 1 && Br == 16 * MT * Warps, "Br must be 16 x Warps x (m16 tiles per warp)");
+    static_assert(Bc % 16 == 0 && Bc <= 128, "Bc must be a multiple of 16 up to 128 (hidden bits in one word)");
+    static_assert(D % 32 == 0 && E % 32 == 0 && D <= 256 && E <= 256, "head-dim buckets are multiples of 32");
+    static_assert(Stages >= 2, "the K/V pipeline needs two stages or more");
+    constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+    const T tag{};  // selects the element type's overloads
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
+    T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
+    T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
+    T* O_s = Q_s;  // the epilogue's staging tile, once Q_i is no longer read
+    T* P_s = reinterpret_cast<T*>(smem + Smem::p_offset);
+
+    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
+    const long long b = blockIdx.y + (long long)gridDim.y * blockIdx.z;
+    if (b >= g.batch_count) return;
+    const BatchOffsets base = batch_offsets(g, b);
+    const OperandStrides& qs = g.op[kQ];
+    const OperandStrides& ks = g.op[kK];
+    const OperandStrides& vs = g.op[kV];
+    const OperandStrides& ms = g.op[kMask];
+    const OperandStrides& bs = g.op[kBias];
+    const long long offset = m - n;
+    const bool has_mask = flags & kHasMask, has_bias = flags & kHasBias;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
+    const int warp_row = warp * 16 * MT;  // first row of this warp's m16 tiles within Q_i
+    const long long i0 = (long long)blockIdx.x * Br;
+    const int rows = (int)min_ll(Br, n - i0);
+    const KeyRange keys = key_range(i0, i0 + rows, m, offset, left, right);
+    const int tiles = (int)((keys.end - keys.begin + Bc - 1) / Bc);
+
+    // K_j and V_j of key tile `tile` into pipeline stage tile % Stages.
+    auto load_kv = [&](int tile) {
+        const long long j0 = keys.begin + (long long)tile * Bc;
+        const int cols = (int)min_ll(Bc, keys.end - j0);
+        const int stage = tile % Stages;
+        mma::load_tile_async<T, Bc, D, Threads>(K_s + stage * Bc * Smem::LDK, k + base.of[kK] + j0 * ks.row,
+                                                ks.row, ks.col, cols, (int)d, flags & kVectorK);
+        mma::load_tile_async<T, Bc, E, Threads>(V_s + stage * Bc * Smem::LDV, v + base.of[kV] + j0 * vs.row,
+                                                vs.row, vs.col, cols, (int)e, flags & kVectorV);
+    };
+
+    // Q_i is the first cp.async group, the first Stages - 1 key tiles the next ones.
+    mma::load_tile_async<T, Br, D, Threads>(Q_s, q + base.of[kQ] + i0 * qs.row, qs.row, qs.col, rows, (int)d,
+                                            flags & kVectorQ);
+    ptx::cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < Stages - 1; ++s) {
+        if (s < tiles) load_kv(s);
+        ptx::cp_async_commit();
+    }
+    ptx::cp_async_wait<Stages - 1>();
+    __syncthreads();
+    unsigned Q_f[kQRegs ? MT : 1][kQRegs ? KD : 1][4];
+    if (kQRegs) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk)
+                mma::load_a<Smem::LDQ>(Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0], Q_s, warp_row + 16 * mt, 16 * kk,
+                                       lane);
+    }
+
+    // Running max m_i and (per-lane partial) sum l_i of rows quad_row and quad_row + 8 of each m16 tile, and
+    // the unnormalized O_i in accumulator fragments.
+    float m_i[MT][2], l_i[MT][2], O_i[MT][ET][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m_i[mt][h] = -infinity<float>();
+            l_i[mt][h] = 0.0f;
+        }
+#pragma unroll
+        for (int et = 0; et < ET; ++et)
+#pragma unroll
+            for (int x = 0; x < 4; ++x) O_i[mt][et][x] = 0.0f;
+    }
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        // Tile `tile` has landed for every thread, and every warp is done with the stage the next load reuses.
+        ptx::cp_async_wait<Stages - 2>();
+        __syncthreads();
+        if (tile + Stages - 1 < tiles) load_kv(tile + Stages - 1);
+        ptx::cp_async_commit();  // possibly empty: keeps the group count the wait above relies on
+
+        const long long j0 = keys.begin + (long long)tile * Bc;
+        const int cols = (int)min_ll(Bc, keys.end - j0);
+        const T* K_j = K_s + (tile % Stages) * Bc * Smem::LDK;
+        const T* V_j = V_s + (tile % Stages) * Bc * Smem::LDV;
+
+        // S_ij = Q_i K_j^T.
+        float S[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) S[mt][nt][x] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (kQRegs) {
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) a[mt][x] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0][x];
+                } else {
+                    mma::load_a<Smem::LDQ>(a[mt], Q_s, warp_row + 16 * mt, 16 * kk, lane);
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned bk[4];
+                mma::load_b_nk<Smem::LDK>(bk, K_j, 16 * np, 16 * kk, lane);
+                const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma::mma16816(S[mt][2 * np], a[mt], b0, tag);
+                    mma::mma16816(S[mt][2 * np + 1], a[mt], b1, tag);
+                }
+            }
+        }
+
+        // Scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and their bits
+        // are kept for the rare CUDA-core P V. Only tiles that straddle the window, carry a mask or end early
+        // pay for per-element visibility.
+        const bool partial = has_mask || cols < Bc ||
+                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, offset, left, right);
+        unsigned hidden[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                hidden[mt][h] = 0;
+                const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int jj = 8 * nt + 2 * quad_col + x;
+                        const long long j = j0 + jj;
+                        bool visible = i < n;  // rows past n are computed but never stored
+                        if (partial) {
+                            visible = visible && jj < cols && j >= i + offset - left && j <= i + offset + right;
+                            if (visible && has_mask) visible = mask[base.of[kMask] + i * ms.row + j * ms.col];
+                        }
+                        float s = S[mt][nt][2 * h + x] * scale_log2;
+                        if (visible && has_bias) s += bias[base.of[kBias] + i * bs.row + j * bs.col] * kLog2e;
+                        S[mt][nt][2 * h + x] = visible ? s : -infinity<float>();
+                        if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
+                    }
+            }
+
+        // Online softmax: new running max, rescale l_i and O_i by exp2(m_old - m_new), P = exp2(S - m_new).
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float tile_max = -infinity<float>();
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    tile_max = fmaxf(tile_max, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+                const float m_new = fmaxf(m_i[mt][h], mma::quad_max(tile_max));
+                const float m_use = m_new == -infinity<float>() ? 0.0f : m_new;  // nothing visible yet
+                const float alpha = exp2f(m_i[mt][h] - m_use);
+                float tile_sum = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const float p = exp2f(S[mt][nt][2 * h + x] - m_use);
+                        S[mt][nt][2 * h + x] = p;
+                        tile_sum += p;
+                    }
+                l_i[mt][h] = alpha * l_i[mt][h] + tile_sum;  // the quad's lanes add up at the end
+                m_i[mt][h] = m_new;
+#pragma unroll
+                for (int et = 0; et < ET; ++et) {
+                    O_i[mt][et][2 * h] *= alpha;
+                    O_i[mt][et][2 * h + 1] *= alpha;
+                }
+            }
+
+        // A hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look for non-finite values.
+        const bool careful = partial && __syncthreads_or(mma::v_tile_nonfinite<T, Bc, E, Threads>(V_j, cols));
+        if (!careful) {
+            // O_i += P_ij V_j: P in registers becomes the A operand, k16 step by k16 step.
+#pragma unroll
+            for (int kk = 0; kk < Bc / 16; ++kk) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = mma::pack2(S[mt][2 * kk][0], S[mt][2 * kk][1], tag);
+                    a[mt][1] = mma::pack2(S[mt][2 * kk][2], S[mt][2 * kk][3], tag);
+                    a[mt][2] = mma::pack2(S[mt][2 * kk + 1][0], S[mt][2 * kk + 1][1], tag);
+                    a[mt][3] = mma::pack2(S[mt][2 * kk + 1][2], S[mt][2 * kk + 1][3], tag);
+                }
+#pragma unroll
+                for (int ep = 0; ep < ET / 2; ++ep) {
+                    unsigned bv[4];
+                    mma::load_b_kn<Smem::LDV>(bv, V_j, 16 * kk, 16 * ep, lane);
+                    const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma::mma16816(O_i[mt][2 * ep], a[mt], b0, tag);
+                        mma::mma16816(O_i[mt][2 * ep + 1], a[mt], b1, tag);
+                    }
+                }
+            }
+        } else {
+            mma::pv_by_selection<T, Bc, E, MT>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP, V_j, cols, lane);
+        }
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // every warp is done with Q_s (and P_s): O_s takes their place
+
+    // O_i / l_i into the staging tile, and lse = (m_i + log2 l_i) ln 2; a row that saw no key gives 0 and -inf.
+    const OperandStrides& os = g.op[kOut];
+    const OperandStrides& ls = g.op[kLse];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = warp_row + 16 * mt + quad_row + 8 * h;
+            const float l = mma::quad_sum(l_i[mt][h]);
+            const bool nothing_visible = l == 0.0f;
+            const float inv_l = nothing_visible ? 0.0f : 1.0f / l;
+#pragma unroll
+            for (int et = 0; et < ET; ++et)
+                *reinterpret_cast<unsigned*>(O_s + r * Smem::LDO + 8 * et + 2 * quad_col) =
+                    mma::pack2(O_i[mt][et][2 * h] * inv_l, O_i[mt][et][2 * h + 1] * inv_l, tag);
+            if ((flags & kWantLse) && quad_col == 0 && r < rows)
+                lse[base.of[kLse] + (i0 + r) * ls.row] =
+                    nothing_visible ? -infinity<float>() : (m_i[mt][h] + log2f(l)) * kLn2;
+        }
+    __syncthreads();
+    mma::store_tile<T, Br, E, Threads>(out + base.of[kOut] + i0 * os.row, os.row, os.col, O_s, rows, (int)e);
+}
+
+}  // namespace cuflash
