@@ -29,12 +29,19 @@ MAX_TILE = 256
 class BlockConfig:
     """Tile sizes of the forward kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
 
-    The CUDA-core kernel has no load pipeline: stages must be 1 (the tensor-core kernel uses more)."""
+    variant: "fma" is the CUDA-core kernel (any dtype; no load pipeline, stages=1); "mma" the tensor-core kernel
+    for float16/bfloat16 on compute capability 8.0+ (cuflash.tensorcore; stages 2 or 3: BlockConfig.mma)."""
 
     Br: int
     Bc: int
     warps: int = 4
     stages: int = 1
+    variant: str = "fma"
+
+    @classmethod
+    def mma(cls, Br: int, Bc: int, warps: int = 4, stages: int = 2) -> "BlockConfig":
+        """A tensor-core configuration."""
+        return cls(Br, Bc, warps, stages, "mma")
 
     @property
     def threads(self) -> int:
@@ -45,6 +52,8 @@ class BlockConfig:
         return self.threads // LANES_PER_ROW
 
     def __str__(self):
+        if self.variant != "fma":
+            return f"({self.Br}, {self.Bc}, warps={self.warps}, stages={self.stages}, {self.variant})"
         extra = "" if (self.warps, self.stages) == (4, 1) else f", warps={self.warps}" + (
             "" if self.stages == 1 else f", stages={self.stages}")
         return f"({self.Br}, {self.Bc}{extra})"
@@ -153,6 +162,8 @@ def _align16(nbytes: int) -> int:
 def shared_memory_bytes(workload, config: BlockConfig) -> int:
     """Dynamic shared memory of one block: the Q, K, V tiles in the element type (rows padded to an odd number of
     32-bit words) and P in the accumulator type; each region 16-byte aligned. Mirrors ForwardShared."""
+    if config.variant == "mma":
+        return tensorcore.shared_memory_bytes(workload, config)
     item = np.dtype(workload.dtype).itemsize
     acc = acc_dtype_of(workload.dtype).itemsize
     D, E = bucket(workload.d), bucket(workload.e)
@@ -166,6 +177,8 @@ def shared_memory_bytes(workload, config: BlockConfig) -> int:
 
 def accumulator_words(workload, config: BlockConfig) -> int:
     """32-bit registers a thread holds for its scores S and output O_i: rows x (score + output columns)."""
+    if config.variant == "mma":
+        return tensorcore.accumulator_words(workload, config)
     rows = config.Br // max(1, config.row_groups)
     cols = config.Bc // LANES_PER_ROW + bucket(workload.e) // LANES_PER_ROW
     return rows * cols * (acc_dtype_of(workload.dtype).itemsize // 4)
@@ -236,6 +249,10 @@ def _head_dim_reasons(workload) -> List[str]:
 def not_supported_reasons(workload, config: BlockConfig, device: DeviceLimits, *, suggest: bool = True) -> List[str]:
     """Every reason `config` cannot run `workload` (anything with dtype, d, e: a Problem, a Workload) on `device`,
     each a sentence naming what was asked, the limit and a configuration that fits. Empty: supported."""
+    if config.variant == "mma":
+        return tensorcore.not_supported_reasons(workload, config, device, suggest=suggest)
+    if config.variant != "fma":
+        return [f"variant {config.variant!r} is not a kernel: 'fma' (CUDA cores) or 'mma' (tensor cores)"]
     reasons = _head_dim_reasons(workload)
     if reasons:
         return reasons
@@ -281,7 +298,11 @@ def _first_fit(workload, device) -> Optional[BlockConfig]:
 
 
 def choose(workload, device: DeviceLimits) -> BlockConfig:
-    """The heuristic's configuration for (dtype, d, e) on `device`; ValueError when none fits."""
+    """The heuristic's configuration for (dtype, d, e) on `device`: the tensor-core kernel where it runs
+    (float16/bfloat16 on compute capability 8.0+), else the CUDA-core kernel; ValueError when none fits."""
+    fast = tensorcore.first_fit(workload, device)
+    if fast is not None:
+        return fast
     reasons = _head_dim_reasons(workload)
     config = None if reasons else _first_fit(workload, device)
     if config is None:
@@ -292,10 +313,18 @@ def choose(workload, device: DeviceLimits) -> BlockConfig:
 
 
 def resolve(block, workload, device: DeviceLimits) -> BlockConfig:
-    """The configuration to run: the heuristic's for block=None, else `block` ((Br, Bc) or a BlockConfig)
-    validated; ValueError listing every reason when it cannot run."""
+    """The configuration to run: the heuristic's for block=None; the heuristic's within one kernel for
+    block="mma" or "fma"; else `block` ((Br, Bc), on the tensor-core kernel when it can run them, or a
+    BlockConfig) validated. ValueError listing every reason when it cannot run."""
     if block is None:
         return choose(workload, device)
+    if isinstance(block, str) and block in ("mma", "fma"):
+        config = tensorcore.first_fit(workload, device) if block == "mma" else _first_fit(workload, device)
+        if config is None:
+            reasons = not_supported_reasons(workload, BlockConfig(64, 64, 4, 2 if block == "mma" else 1, block),
+                                            device) or [f"no {block} configuration fits {describe_workload(workload)}"]
+            raise ValueError(f"attention: block {block!r} cannot run here: " + "; ".join(reasons))
+        return config
     if isinstance(block, BlockConfig):
         config = block
     else:
@@ -306,7 +335,8 @@ def resolve(block, workload, device: DeviceLimits) -> BlockConfig:
         for value in (br, bc):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"attention: block must be a pair (Br, Bc) of positive ints, got {block!r}")
-        config = _warps_for(int(br), int(bc), workload, device)
+        config = tensorcore.with_warps(int(br), int(bc), workload, device) or \
+            _warps_for(int(br), int(bc), workload, device)
     reasons = not_supported_reasons(workload, config, device)
     if reasons:
         raise ValueError(f"attention: block {config} cannot run here: " + "; ".join(reasons))
@@ -320,3 +350,6 @@ def _warps_for(br: int, bc: int, workload, device) -> BlockConfig:
         if not not_supported_reasons(workload, config, device, suggest=False):
             return config
     return BlockConfig(br, bc, 4)
+
+
+from . import tensorcore  # noqa: E402  (the tensor-core plan builds on the names above)
