@@ -26,13 +26,18 @@ VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE = 1, 2, 4, 8, 16, 32
 
 
 def source() -> str:
-    """The one source string every forward instantiation is compiled from."""
-    return kernels.source("forward.cuh")
+    """The one source string every forward instantiation is compiled from (forward_mma.cuh includes
+    forward.cuh: both kernels)."""
+    return kernels.source("forward_mma.cuh")
 
 
 def kernel_name(workload, config: BlockConfig) -> str:
     """The name expression of the instantiation serving workload (dtype, d, e) with config."""
     ctype = C_TYPES[np.dtype(workload.dtype).name]
+    if config.variant == "mma":
+        from . import tensorcore
+        return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
+                f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
     return (f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {bucket(workload.d)}, {bucket(workload.e)}, "
             f"{config.warps}>")
 
