@@ -783,7 +783,7 @@ def describe(r: dict, mode: str) -> str:
     if r["status"] != "ok":
         return f"{r['name']:<16} {r['status']}: {r['reason'][:150]}"
     unit, factor = rate_unit(mode)
-    parts = [f"{r['name']:<16} {r['time_ms']:9.3f} ms", f"{r['tflops'] * factor:8.4g} {unit}"]
+    parts = [f"{r['name']:<16} {r['time_ms']:9.3f} ms", f"{fmt(scaled(r['tflops'], factor), '8.4g')} {unit}"]
     if r.get("matmul_fraction") is not None:
         parts.append(f"{r['matmul_fraction']:.2f} of matmul")
     if r.get("vs_peer") is not None:
@@ -858,12 +858,14 @@ def targets_table(points: List[dict]) -> List[str]:
         if target is None:
             continue
         ok = [r for r in p["results"] if r["status"] == "ok"]
-        best = max((r for r in ok if r["backend"] == "cuflash"), key=lambda r: r["tflops"], default=None)
+        best = max((r for r in ok if r["backend"] == "cuflash"), key=lambda r: r["tflops"] or 0, default=None)
         peer = next((r for r in ok if r["name"] == "torch-flash"), None)
-        met = best is not None and best["tflops"] >= target and (peer is None or best["time_ms"] <= peer["time_ms"])
+        fast = best is not None and (best["tflops"] or 0) >= target
+        met = fast and (peer is None or best["time_ms"] <= peer["time_ms"])
         label = f"{p['dtype']} {p['batch']}×{p['heads']} n={p['n']} d={p['d']}{' causal' if p['causal'] else ''}"
-        lines.append(f"| {target:.0f} | {label} | " + (f"{best['tflops']:.1f} ({best['name']})" if best else "")
-                     + f" | {fmt(peer and peer['tflops'], '.1f')} | {'yes' if met else 'no'} |")
+        mine = f"{fmt(best['tflops'], '.1f')} ({best['name']})" if best else ""
+        lines.append(f"| {target:.0f} | {label} | {mine} | {fmt(peer and peer['tflops'], '.1f')} "
+                     f"| {'yes' if met else 'no'} |")
     return lines if len(lines) > 3 else []
 
 
