@@ -20,7 +20,7 @@ KiB = 1024
 LANES_PER_ROW = 16  # TC in the kernel: lanes that share a row group
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)  # D and E instantiations; the actual d, e are run-time values
 MAX_HEAD_DIM = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
-ACC_REGISTER_LIMIT = 128  # accumulator words per thread (S, O) above which the compiler must spill
+ACC_REGISTER_LIMIT = 96  # accumulator words per thread (S, O) above which ptxas runs out of registers (255)
 ACC_REGISTER_TARGET = 64  # what the heuristic allows itself, leaving room for addresses and staging
 MAX_TILE = 256
 
@@ -84,9 +84,11 @@ class DeviceLimits:
     def known(cls, name: str) -> "DeviceLimits":
         """A GPU of the table by a part of its name, case-insensitive: "A100", "h100", "RTX 4090"."""
         key = name.lower().replace("nvidia", "").strip()
-        for limits in KNOWN:
-            if key and key in limits.name.lower():
-                return limits
+        for exact in (True, False):  # "A10" is the A10, not the A100
+            for limits in KNOWN:
+                known = limits.name.lower()
+                if key and (known == key or known.endswith(" " + key) if exact else key in known):
+                    return limits
         names = ", ".join(limits.name for limits in KNOWN)
         raise ValueError(f"unknown GPU {name!r}; known: {names}")
 

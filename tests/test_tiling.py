@@ -1,0 +1,107 @@
+"""Block configurations against the known GPUs: the shared-memory model, occupancy, the reasons and the heuristic."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuflash import BlockConfig, DeviceLimits, tiling
+from cuflash.tiling import Workload, choose, not_supported_reasons, shared_memory_bytes
+
+F16, BF16, F32, F64 = (np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
+GPUS = ("T4", "A10", "RTX 3090", "A100", "L4", "RTX 4090", "H100", "H200")
+
+
+def test_known_gpu_limits():
+    assert DeviceLimits.known("A100").smem_per_block == 166912
+    assert DeviceLimits.known("H100").smem_per_block == DeviceLimits.known("H200").smem_per_block == 232448
+    assert DeviceLimits.known("T4").smem_per_block == 65536
+    assert DeviceLimits.known("L4").smem_per_block == DeviceLimits.known("A10").smem_per_block == 101376
+    assert DeviceLimits.known("nvidia h200").arch == "sm_90"
+    with pytest.raises(ValueError, match="unknown GPU"):
+        DeviceLimits.known("Voodoo 2")
+
+
+def test_shared_memory_model_by_hand():
+    # half, d=e=64, (64, 64): Q and K rows of 64 + 2 halves, V rows of 64, P of 64 x 65 floats.
+    w = Workload(F16, 64, 64)
+    assert shared_memory_bytes(w, BlockConfig(64, 64)) == 64 * 66 * 2 + 64 * 66 * 2 + 64 * 64 * 2 + 64 * 65 * 4
+    # float, d=59 (bucket 64), e=3 (bucket 16): rows padded by one float; every region 16-byte aligned.
+    w = Workload(F32, 59, 3)
+    assert shared_memory_bytes(w, BlockConfig(8, 16)) == 8 * 65 * 4 + 16 * 65 * 4 + 16 * 16 * 4 + 8 * 17 * 4
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64])
+@pytest.mark.parametrize("d", [1, 3, 59, 64, 111, 128, 256, 512])
+def test_heuristic_choice_runs(gpu, dtype, d):
+    device = DeviceLimits.known(gpu)
+    w = Workload(dtype, d, d)
+    if d > tiling.MAX_HEAD_DIM[dtype.name]:
+        with pytest.raises(ValueError, match=f"head dimension d={d} is above 256"):
+            choose(w, device)
+        return
+    try:
+        config = choose(w, device)
+    except ValueError as exc:  # large float32/float64 head dims on small shared memories: even the smallest tile
+        assert "no block configuration fits" in str(exc)
+        assert shared_memory_bytes(w, tiling.CANDIDATES[-1]) > device.smem_per_block
+        return
+    assert not_supported_reasons(w, config, device) == []
+    assert shared_memory_bytes(w, config) <= device.smem_per_block
+    assert tiling.occupancy(w, config, device) >= 1
+    if getattr(config, "variant", "fma") == "fma":  # the CUDA-core kernel's register bound
+        assert tiling.accumulator_words(w, config) <= tiling.ACC_REGISTER_LIMIT
+
+
+def test_heuristic_choices_on_known_gpus():
+    """CUDA-core choices (float32/float64 anywhere; float16 on a T4, which has no sm_80 tensor-core path)."""
+    h100, a100, t4 = (DeviceLimits.known(g) for g in ("H100", "A100", "T4"))
+    assert choose(Workload(F32, 64, 64), h100) == BlockConfig(64, 64, 4)
+    assert choose(Workload(F32, 128, 128), a100) == BlockConfig(64, 64, 8)
+    assert choose(Workload(F32, 128, 128), t4) == BlockConfig(32, 32, 4)  # (32, 64) needs 88.5 KiB
+    assert choose(Workload(F16, 128, 128), t4) == BlockConfig(32, 64, 4)  # (64, 64, warps=8) needs 64.8 KiB
+    assert choose(Workload(F64, 512, 512), h100) == BlockConfig(16, 16, 8)
+    assert choose(Workload(F64, 512, 512), a100) == BlockConfig(8, 16, 4)
+
+
+def test_block_for_h100_refused_on_a100_with_the_right_sentence():
+    w = Workload(F32, 256, 256)
+    config = BlockConfig(64, 64, warps=8)
+    assert not_supported_reasons(w, config, DeviceLimits.known("H100")) == []
+    (reason,) = not_supported_reasons(w, config, DeviceLimits.known("A100"))
+    assert reason == ("block (64, 64, warps=8) for d=256 float32 needs 208.8 KiB of shared memory; "
+                      "A100 allows 163 KiB per block; (32, 32, warps=8) fits")
+
+
+def test_reasons_name_every_problem():
+    device = DeviceLimits.known("T4")
+    reasons = not_supported_reasons(Workload(F16, 64, 64), BlockConfig(7, 5, warps=1, stages=2), device)
+    assert len(reasons) == 3
+    assert "Br=7 is not supported with 1 warps: Br must be a multiple of 2" in reasons[0]
+    assert "Bc=5 is not supported" in reasons[1]
+    assert reasons[2].startswith("stages=2 is not supported") and reasons[2].endswith("; (64, 64) fits")
+    (reason,) = not_supported_reasons(Workload(F32, 16, 256), BlockConfig(128, 16, warps=2), DeviceLimits.known("H100"))
+    assert "keeps 544 accumulator registers per thread" in reason
+    (reason,) = not_supported_reasons(Workload(F16, 300, 64), BlockConfig(64, 64), device)
+    assert reason.startswith("head dimension d=300 is above 256")
+
+
+def test_resolve_tuple_and_config():
+    device = DeviceLimits.known("A100")
+    w = Workload(F32, 64, 64)
+    assert tiling.resolve(None, w, device) == choose(w, device)
+    assert tiling.resolve((32, 32), w, device) == BlockConfig(32, 32, 4)
+    assert tiling.resolve((128, 64), w, device) == BlockConfig(128, 64, 8)  # 4 warps would hold 128 registers
+    assert tiling.resolve((4, 16), w, device) == BlockConfig(4, 16, 2)  # Br=4 needs fewer row groups
+    for bad in ((0, 16), (16,), "64x64", (16.0, 16)):
+        with pytest.raises(ValueError):
+            tiling.resolve(bad, w, device)
+    with pytest.raises(ValueError, match=r"block \(256, 256, warps=8\) cannot run here"):
+        tiling.resolve(BlockConfig(256, 256, warps=8), w, device)
+
+
+def test_occupancy():
+    a100 = DeviceLimits.known("A100")
+    w = Workload(F16, 64, 64)
+    config = BlockConfig(64, 64)  # 40.75 KiB + 1 KiB reserved: 4 per 164 KiB SM
+    assert tiling.occupancy(w, config, a100) == min(4, 65536 // (tiling.registers_estimate(w, config) * 128))
