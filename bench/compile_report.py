@@ -1,0 +1,85 @@
+"""Compile report: every CUDA-core forward instantiation the heuristic chooses, compiled with NVRTC for each
+architecture (no GPU needed); ptxas's registers, spills and static shared memory beside the model's dynamic
+shared memory.
+
+    python bench/compile_report.py [--arch sm_80 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cuflash import launch, nvrtc, tiling  # noqa: E402
+from cuflash.dtypes import FLOATS  # noqa: E402
+
+ARCH_DEVICES = {"sm_75": "T4", "sm_80": "A100", "sm_86": "A10", "sm_89": "L4", "sm_90": "H100"}
+HEAD_DIMS = (16, 64, 128, 256, 512)
+
+
+def chosen(arch: str, head_dims=HEAD_DIMS):
+    """{name expression: (workload, config, model shared memory)} the FMA heuristic picks on arch's device."""
+    device = tiling.DeviceLimits.known(ARCH_DEVICES[arch])
+    result = {}
+    for dtype in FLOATS:
+        for d in head_dims:
+            w = tiling.Workload(dtype, d, d)
+            try:
+                config = tiling.resolve("fma", w, device)
+            except ValueError:
+                continue  # head dim above the dtype's limit, or nothing fits this device
+            result[launch.kernel_name(w, config)] = (w, config, tiling.shared_memory_bytes(w, config))
+    return result
+
+
+def _report(arch, names):
+    key = hashlib.sha256((launch.source() + arch + "\n".join(sorted(names))).encode()).hexdigest()[:24]
+    cache = os.path.join(tempfile.gettempdir(), f"cuflash-compile-{key}.json")
+    if os.path.exists(cache):
+        with open(cache) as f:
+            return json.load(f)
+    usage = {name: vars(u) for name, u in nvrtc.compile_report(sorted(names), arch).items()}
+    with open(cache + ".tmp", "w") as f:
+        json.dump(usage, f)
+    os.replace(cache + ".tmp", cache)
+    return usage
+
+
+def report(archs=tuple(ARCH_DEVICES), head_dims=HEAD_DIMS, workers=2):
+    """[(arch, name, registers, spill stores, spill loads, static smem, model dynamic smem)]."""
+    plans = {arch: chosen(arch, head_dims) for arch in archs}
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        usages = dict(zip(archs, pool.map(_report, archs, [list(plans[a]) for a in archs])))
+    rows = []
+    for arch in archs:
+        for name, (w, config, smem) in plans[arch].items():
+            u = usages[arch][name]
+            rows.append((arch, name, u["registers"], u["spill_stores"], u["spill_loads"], u["static_smem"], smem))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", choices=sorted(ARCH_DEVICES))
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = report(tuple(args.arch or ARCH_DEVICES))
+    print(f"{'arch':6} {'instantiation':48} {'regs':>4} {'spill st/ld':>11} {'static':>6} {'dynamic smem':>12}")
+    for arch, name, regs, st, ld, static, smem in rows:
+        print(f"{arch:6} {name:48} {regs:4d} {f'{st}/{ld}':>11} {static:6d} {smem:12d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""NVRTC compile checks without a GPU: the CUDA-core instantiations the heuristic chooses compile for sm_75 ...
+sm_90 with no spills and no static shared memory, and the kernel's shared-memory layout equals the Python model
+(static_asserts the compiler evaluates). Needs CuPy's NVRTC binding and the CUDA fp16 headers."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from cuflash import launch, nvrtc, tiling
+from cuflash.dtypes import FLOATS
+
+
+def _nvrtc_ready():
+    try:
+        from cupy.cuda import nvrtc as binding
+        binding.getVersion()
+    except Exception as exc:
+        return f"NVRTC is not available: {exc}"
+    if not nvrtc.include_dirs():
+        return "cuda_fp16.h not found (pip install nvidia-cuda-runtime-cu12)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_nvrtc_ready() is not None, reason=str(_nvrtc_ready()))
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+
+
+def test_shared_memory_layout_equals_the_model():
+    expected = {}
+    for dtype in FLOATS:
+        for d, e in ((1, 1), (59, 3), (64, 64), (111, 256), (256, 128), (512, 512)):
+            for config in (tiling.BlockConfig(64, 64), tiling.BlockConfig(16, 48, 8), tiling.BlockConfig(4, 16, 2)):
+                w = tiling.Workload(dtype, d, e)
+                if d > tiling.MAX_HEAD_DIM[dtype.name]:
+                    continue
+                ctype = launch.C_TYPES[dtype.name]
+                args = f"{ctype}, {config.Br}, {config.Bc}, {tiling.bucket(d)}, {tiling.bucket(e)}"
+                expected[args] = tiling.shared_memory_bytes(w, config)
+    nvrtc.check_shared_layout(expected)
+
+
+def test_chosen_instantiations_compile_without_spills():
+    import compile_report
+
+    rows = compile_report.report(head_dims=(64, 256))
+    assert {row[0] for row in rows} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
+    for arch, name, regs, spill_stores, spill_loads, static_smem, smem in rows:
+        assert (spill_stores, spill_loads) == (0, 0), f"{name} spills on {arch}"
+        assert static_smem == 0, f"{name} on {arch}: all shared memory is dynamic (the model's {smem} bytes)"
+        assert regs <= 255
