@@ -84,9 +84,22 @@ def compile_program(src: str, names: Iterable[str], arch: str, extra=()):
             raise CompileError(f"{exc}\n{nvrtc.getProgramLog(prog)}") from None
         log = nvrtc.getProgramLog(prog)
         lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
-        return nvrtc.getCUBIN(prog), log, lowered
+        return whole_elf(nvrtc.getCUBIN(prog)), log, lowered
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def whole_elf(cubin: bytes) -> bytes:
+    """CuPy's getCUBIN strips a last byte as if the cubin were a NUL-terminated string (as PTX is); cuobjdump then
+    refuses the file. Pad an ELF back to the end its own header gives (its tables end in zero bytes)."""
+    import struct
+
+    if len(cubin) < 64 or cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        return cubin
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + bytes(max(0, end - len(cubin)))
 
 
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+)'")
