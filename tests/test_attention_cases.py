@@ -201,3 +201,10 @@ def test_broadcast_operands_stay_views():
     mask = np.ones((1, 7), bool)
     view = broadcast_pair(mask, (4, 3), 5, 7, np)
     assert view.shape == (4, 3, 5, 7) and view.strides[:3] == (0, 0, 0) and np.shares_memory(view, mask)
+
+
+def test_numpy_backend_takes_a_block_config():
+    q, k, v = rand(9, 4), rand(13, 4, seed=1), rand(13, 2, seed=2)
+    expected = cuflash.attention(q, k, v, backend="numpy")
+    np.testing.assert_allclose(cuflash.attention(q, k, v, backend="numpy", block=cuflash.BlockConfig(4, 8)),
+                               expected, rtol=1e-6)

@@ -43,6 +43,9 @@ def tile_sizes(problem, block):
 
 
 def check_block(block):
+    """(Br, Bc) from a pair or a BlockConfig (whose warps and stages mean nothing here)."""
+    if hasattr(block, "Br") and hasattr(block, "Bc"):
+        block = (block.Br, block.Bc)
     try:
         br, bc = block
     except (TypeError, ValueError):
