@@ -15,7 +15,7 @@ from strategies import Case
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-@pytest.fixture(params=["numpy"])
+@pytest.fixture(params=["numpy", "simt"])
 def backend(request):
     return request.param
 
