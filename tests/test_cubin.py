@@ -1,0 +1,135 @@
+"""SASS of the tensor-core kernel: NVRTC compiles each configuration the dispatcher chooses (per head dim, on an
+A100 for sm_80 and an H100/H200 for sm_90) without a GPU, and cuobjdump reads the cubin. Each kernel must use the
+tensor cores (HMMA), ldmatrix (LDSM) and cp.async (LDGSTS), and must not touch local memory (LDL/STL: spills or
+register arrays indexed at run time). The shared-memory model is checked against the kernel's own layout, and a
+table of registers and shared memory per configuration is printed (pytest -s shows it).
+
+Needs NVRTC (nvidia-cuda-nvrtc-cu12) and cuobjdump (nvidia-cuda-cuobjdump); skips when they are missing."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuflash import DeviceLimits, launch, tensorcore, tiling
+from cuflash.tiling import Workload
+
+F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+GPUS = {"sm_80": DeviceLimits.known("A100"), "sm_90": DeviceLimits.known("H200")}
+
+
+def cuobjdump():
+    """The cuobjdump executable: on PATH, or from the nvidia-cuda-cuobjdump wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for path in sorted(glob.glob(os.path.join(root, "*", "bin", "cuobjdump"))):
+            if os.access(path, os.X_OK):
+                return path
+    return None
+
+
+def nvrtc_unavailable():
+    try:
+        from cupy.cuda import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:  # no CuPy, or no NVRTC library
+        return f"NVRTC is not available: {exc}"
+    return None
+
+
+pytestmark = [
+    pytest.mark.skipif(nvrtc_unavailable() is not None, reason=str(nvrtc_unavailable())),
+    pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump is missing: pip install nvidia-cuda-cuobjdump"),
+]
+
+
+def chosen(arch):
+    """(workload, config) the dispatcher picks per head dim and dtype on the arch's GPU: every d for float16,
+    a few for bfloat16 (the same code but for the mma's type)."""
+    device = GPUS[arch]
+    pairs = [Workload(F16, d, d) for d in HEAD_DIMS] + [Workload(BF16, d, d) for d in (64, 128, 256)]
+    return [(w, tiling.choose(w, device)) for w in pairs]
+
+
+@functools.lru_cache(maxsize=None)
+def build(arch):
+    """{name expression: (SASS text, ptxas usage)} for every chosen configuration, from one NVRTC program."""
+    from cuflash import nvrtc
+
+    names = sorted({launch.kernel_name(w, c) for w, c in chosen(arch)})
+    cubin, log, lowered = nvrtc.compile_program(launch.source(), names, arch)
+    usage = nvrtc.parse_ptxas(log)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernels.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([cuobjdump(), "-sass", path], capture_output=True, text=True, check=True).stdout
+        resources = subprocess.run([cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
+                                   check=True).stdout
+    functions = split_functions(sass)
+    return {name: (functions[lowered[name]], usage[lowered[name]], resources) for name in names}
+
+
+def split_functions(sass: str):
+    """SASS text per mangled function name."""
+    parts = re.split(r"^\s*Function : (\S+)\s*$", sass, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def opcodes(text: str):
+    return set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text))
+
+
+@pytest.mark.parametrize("arch", sorted(GPUS))
+def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch):
+    kernels = build(arch)
+    rows = []
+    for workload, config in chosen(arch):
+        name = launch.kernel_name(workload, config)
+        sass, usage, _ = kernels[name]
+        ops = opcodes(sass)
+        assert config.variant == "mma", (workload, config)
+        missing = {"HMMA", "LDSM", "LDGSTS"} - ops
+        assert not missing, f"{name} on {arch} lacks {sorted(missing)}"
+        local = sorted(op for op in ops if op in ("LDL", "STL"))
+        assert not local, f"{name} on {arch} uses local memory ({local}): spills or run-time indexed registers"
+        assert usage.spill_stores == usage.spill_loads == 0 and usage.stack == 0, usage
+        smem = tensorcore.shared_memory_bytes(workload, config)
+        assert smem <= GPUS[arch].smem_per_block
+        rows.append(f"{arch}  {np.dtype(workload.dtype).name:8} d={workload.d:<3}  {str(config):38} "
+                    f"{usage.registers:3} registers  {smem / 1024:6.1f} KiB shared")
+    print("\n" + "\n".join(rows))
+
+
+@pytest.mark.parametrize("arch", ["sm_80"])
+def test_shared_memory_model_matches_the_kernel(arch):
+    """tensorcore.shared_memory_bytes equals MmaShared<...>::bytes (a static_assert per layout)."""
+    from cuflash import nvrtc
+
+    layouts = {}
+    for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16)):
+        for (d, e) in ((32, 32), (64, 59), (128, 128), (256, 256), (100, 200)):
+            for config in tensorcore.CANDIDATES + (tiling.BlockConfig.mma(64, 64, 4, stages=3),):
+                w = Workload(dtype, d, e)
+                args = (f"{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(d)}, {tensorcore.bucket(e)}, "
+                        f"{config.warps}, {config.stages}")
+                layouts[args] = tensorcore.shared_memory_bytes(w, config)
+    lines = [f'static_assert(cuflash::MmaShared<{args}>::bytes == {nbytes}, "model: {args} -> {nbytes}");'
+             for args, nbytes in layouts.items()]
+    nvrtc.compile_program(launch.source() + "\n".join(lines) + "\n", [], arch)
