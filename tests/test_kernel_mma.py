@@ -1,0 +1,257 @@
+"""The tensor-core kernel (kernels/forward_mma.cuh) on the emulator: the front door's properties against the float64
+reference with NaN-poisoned outputs (head dims 32..256 and odd ones, odd lengths, causal with n < m and n > m,
+masks, biases, broadcasting, strided views), several block configurations and schedules, hidden NaN/inf values,
+the dispatcher's choice and its reasons, and a memcheck pass. Problems stay small: every mma and ldmatrix is a
+warp rendezvous on the CPU."""
+
+import os
+import re
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cuflash
+import cuflash.simt
+from cuflash import BlockConfig, DeviceLimits, launch, tensorcore, tiling
+from cuflash.tiling import Workload
+from harness import check_case
+from reference import assert_accurate
+from strategies import cases
+
+pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT emulator needs g++")
+
+F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+HALVES = (F16, BF16)
+H100, A100, A10, V100 = (DeviceLimits.known(name) for name in ("H100", "A100", "A10", "V100"))
+
+
+def rand(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Properties
+
+
+@given(cases(dtypes=HALVES, lengths=(1, 7, 33, 64, 113, 150), head_dims=(32, 59, 64, 128), mixed_dtypes=False,
+             max_batch_dims=1))
+@settings(max_examples=30)
+def test_matches_reference(case):
+    check_case(case, backend="simt", block="mma")
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_native_head_dims(d):
+    """Each bucket once, with a window straddling tiles, a key tail and rows past n in the last tile."""
+    rng = np.random.default_rng(d)
+    dtype = HALVES[d // 32 % 2]
+    q, k, v = rand(rng, (2, 45, d), dtype), rand(rng, (1, 77, d), dtype), rand(rng, (2, 77, d), dtype)
+    out, lse = cuflash.attention(q, k, v, window=(40, 3), backend="simt", block="mma", return_lse=True)
+    assert_accurate(out, q, k, v, lse=lse, window=(40, 3))
+
+
+BLOCKS = (BlockConfig.mma(16, 16, 1), BlockConfig.mma(32, 32, 2), BlockConfig.mma(64, 32, 2),
+          BlockConfig.mma(64, 64, 4, stages=3), BlockConfig.mma(128, 64, 4))
+
+
+@given(cases(dtypes=HALVES, lengths=(1, 5, 33, 97), head_dims=(3, 32, 59), mixed_dtypes=False, max_batch_dims=1))
+@settings(max_examples=8)
+def test_block_configurations(case):
+    """One or two m16 tiles per warp, 1 to 4 warps, 2 and 3 stages: many key tiles, tails both ways."""
+    for block in BLOCKS:
+        check_case(case, backend="simt", block=block)
+
+
+@pytest.mark.parametrize("n, m", [(37, 100), (100, 37), (64, 64), (1, 150), (150, 1)])
+@pytest.mark.parametrize("dtype", HALVES)
+def test_causal_both_ways(n, m, dtype):
+    """Bottom-right causal: n < m skips no tile at the start, n > m leaves the first rows with nothing (0, -inf)."""
+    rng = np.random.default_rng(n * 1000 + m)
+    q, k, v = rand(rng, (n, 64), dtype), rand(rng, (m, 64), dtype), rand(rng, (m, 40), dtype)
+    out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", block=BlockConfig.mma(32, 32, 2),
+                                 return_lse=True)
+    assert_accurate(out, q, k, v, lse=lse, causal=True)
+
+
+@pytest.mark.parametrize("schedule", ["reverse", "20261130"])
+@given(cases(dtypes=HALVES, lengths=(7, 64, 113), head_dims=(32, 64), mixed_dtypes=False, max_batch_dims=1))
+@settings(max_examples=4)
+def test_emulator_schedules(schedule, case):
+    """Other orders of the threads between barriers: a missing __syncthreads or cp.async wait would show."""
+    old = os.environ.get("CUFLASH_SIMT_SEED")
+    os.environ["CUFLASH_SIMT_SEED"] = schedule
+    try:
+        check_case(case, backend="simt", block=BlockConfig.mma(32, 16, 1))
+    finally:
+        if old is None:
+            del os.environ["CUFLASH_SIMT_SEED"]
+        else:
+            os.environ["CUFLASH_SIMT_SEED"] = old
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
+    """Hidden from every row (masked, past the causal diagonal) and hidden from some rows only: the tile's
+    vote sends P V through the CUDA-core path that skips hidden (row, key) pairs; a visible inf still counts."""
+    rng = np.random.default_rng(11)
+    n, m, d = 40, 70, 32
+    q, k, v = rand(rng, (n, d), dtype, 0.3), rand(rng, (m, d), dtype, 0.3), rand(rng, (m, d), dtype)
+    mask = rng.random((n, m)) < 0.7
+    mask[:, :3] = False
+    k[:3], v[:3] = np.nan, np.inf  # hidden from all rows by the mask
+    v[45, 5] = np.inf  # hidden from the first rows by causal, visible to the later ones unless masked
+    v[60:, 7] = np.nan  # past the diagonal of most rows
+    for block in (BlockConfig.mma(16, 32, 1), BlockConfig.mma(64, 64, 4)):
+        out, lse = cuflash.attention(q, k, v, mask=mask, causal=True, backend="simt", block=block, return_lse=True)
+        assert_accurate(out, q, k, v, lse=lse, mask=mask, causal=True)
+        out = cuflash.attention(q, k, v, causal=True, window=(20, None), backend="simt", block=block)
+        assert_accurate(out, q, k, v, causal=True, window=(20, None))
+
+
+def test_fully_masked_rows_and_bias_minus_inf():
+    rng = np.random.default_rng(12)
+    q, k, v = rand(rng, (2, 33, 64), F16), rand(rng, (2, 50, 64), F16), rand(rng, (2, 50, 64), F16)
+    mask = np.ones((33, 50), bool)
+    mask[3] = False
+    bias = np.zeros((33, 50), np.float32)
+    bias[7] = -np.inf  # every visible score -inf: nothing to attend
+    out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, backend="simt", block="mma", return_lse=True)
+    assert (out[:, 3] == 0).all() and np.isneginf(lse[:, 3]).all()
+    assert (out[:, 7] == 0).all() and np.isneginf(lse[:, 7]).all()
+    assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias)
+
+
+def test_grouped_query_attention_and_strided_views():
+    """Broadcast K/V heads, a transposed Q (element loads instead of cp.async) and a strided out."""
+    rng = np.random.default_rng(13)
+    q = np.swapaxes(rand(rng, (2, 4, 64, 33), BF16), -1, -2)
+    k, v = rand(rng, (2, 1, 47, 64), BF16), rand(rng, (2, 1, 47, 96), BF16)[..., ::-1, :]
+    bias = rand(rng, (4, 1, 47), np.float32)
+    out = np.full((2, 4, 33, 2 * 96), np.nan, BF16)[..., ::2]
+    cuflash.attention(q, k, v, bias=bias, window=(10, 3), out=out, backend="simt", block="mma")
+    assert_accurate(out, q, k, v, bias=bias, window=(10, 3))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The dispatcher and its reasons
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("device", [H100, A100, A10])
+@pytest.mark.parametrize("d", [32, 59, 64, 96, 128, 160, 192, 224, 256])
+def test_dispatcher_prefers_tensor_cores(dtype, device, d):
+    config = tiling.choose(Workload(dtype, d, d), device)
+    assert config.variant == "mma" and config.stages == 2
+    assert not tiling.not_supported_reasons(Workload(dtype, d, d), config, device)
+    assert tensorcore.accumulator_words(Workload(dtype, d, d), config) <= tensorcore.REGISTER_TARGET
+
+
+@pytest.mark.parametrize("workload, device", [(Workload(np.float32, 64, 64), H100),
+                                              (Workload(F16, 64, 64), V100),
+                                              (Workload(BF16, 128, 128), DeviceLimits.known("T4"))])
+def test_dispatcher_falls_back_to_cuda_cores(workload, device):
+    assert tiling.choose(workload, device).variant == "fma"
+
+
+def problem_and_outputs(q, k, v):
+    """The Problem the front door builds, caught by a stand-in backend."""
+    captured = {}
+
+    class Spy:
+        ARRAYS = "numpy"
+
+        @staticmethod
+        def run(problem, out, lse, block=None):
+            captured.update(problem=problem, out=out, lse=lse)
+
+    import cuflash.backends as registry
+    original = registry.get
+    registry.get = lambda name, xp: Spy
+    try:
+        cuflash.attention(q, k, v, return_lse=True)
+    finally:
+        registry.get = original
+    return captured["problem"], captured["out"], captured["lse"]
+
+
+def test_simt_backend_picks_tensor_cores_for_halves():
+    rng = np.random.default_rng(14)
+    q = rand(rng, (20, 64), F16)
+    problem, out, lse = problem_and_outputs(q, q, q)
+    config = tiling.resolve(None, problem, cuflash.backends.simt.DEVICE)
+    (only,) = launch.launches(problem, out, lse, config)
+    assert only.name.startswith("cuflash::fwd_mma<__half, ")
+    assert only.shared_mem == tensorcore.shared_memory_bytes(problem, config)
+    assert tiling.resolve((64, 64), problem, H100) == BlockConfig.mma(64, 64, 4)
+    assert tiling.resolve((8, 16), problem, H100).variant == "fma"  # not a tensor-core shape
+    assert tiling.resolve("fma", problem, H100).variant == "fma"
+
+
+@pytest.mark.parametrize("workload, device, config, pattern", [
+    (Workload(np.float32, 64, 64), H100, BlockConfig.mma(64, 64), r"runs float16 and bfloat16, not float32"),
+    (Workload(np.float64, 64, 64), H100, BlockConfig.mma(64, 64), r"not float64"),
+    (Workload(F16, 64, 64), V100, BlockConfig.mma(64, 64), r"compute capability 8\.0 or newer.* has 7\.0"),
+    (Workload(F16, 320, 64), H100, BlockConfig.mma(64, 64), r"d=320 is above 256"),
+    (Workload(F16, 256, 256), A100, BlockConfig.mma(128, 128, 8),
+     r"needs \d+ KiB of shared memory; A100 allows 163 KiB per block.*\(.*mma\) fits"),
+    (Workload(F16, 64, 64), H100, BlockConfig.mma(48, 64), r"Br=48 is not supported.*64 or 128"),
+    (Workload(F16, 64, 64), H100, BlockConfig.mma(64, 40), r"Bc=40 is not supported"),
+    (Workload(F16, 64, 64), H100, BlockConfig(64, 64, 4, 1, "mma"), r"stages=1 is not supported"),
+    (Workload(F16, 256, 256), H100, BlockConfig.mma(128, 128, 4), r"accumulator registers per thread"),
+])
+def test_forced_tensor_core_choice_gives_reasons(workload, device, config, pattern):
+    reasons = tiling.not_supported_reasons(workload, config, device)
+    assert reasons and re.search(pattern, "; ".join(reasons)), reasons
+
+
+def test_forced_choice_raises_through_the_front_door():
+    q = np.zeros((4, 32), np.float32)
+    with pytest.raises(ValueError, match="not float32"):
+        cuflash.attention(q, q, q, backend="simt", block="mma")
+    with pytest.raises(ValueError, match="not float32"):
+        cuflash.attention(q, q, q, backend="simt", block=BlockConfig.mma(64, 64))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memcheck
+
+
+MEMCHECK_SCRIPT = r"""
+import numpy as np, ml_dtypes, cuflash
+from cuflash import BlockConfig
+from reference import assert_accurate
+rng = np.random.default_rng(15)
+def r(shape, dt=np.float16, s=1.0):
+    return (rng.standard_normal(shape) * s).astype(dt)
+# tails in every direction, cp.async and element loads, mask, bias, window, lse, the hidden-NaN path
+q = r((2, 37, 2 * 40))[..., ::2]
+k, v = r((1, 45, 40)), r((2, 45, 23))[:, ::-1]
+mask = rng.random((37, 45)) < 0.8
+v[0, 3, 1] = np.nan
+bias = r((2, 1, 45), np.float32)
+out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt",
+                             block=BlockConfig.mma(32, 16, 1), return_lse=True)
+assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
+qb, kb, vb = r((3, 29, 64), ml_dtypes.bfloat16), r((3, 70, 64), ml_dtypes.bfloat16), r((3, 70, 64), ml_dtypes.bfloat16)
+out = cuflash.attention(qb, kb, vb, causal=True, backend="simt", block=BlockConfig.mma(64, 32, 2))
+assert_accurate(out, qb, kb, vb, causal=True)
+print("memcheck ok")
+"""
+
+
+@pytest.mark.memcheck
+def test_memcheck_under_address_sanitizer():
+    """Out-of-bounds global, shared or cp.async accesses of the tensor-core kernel abort under ASan."""
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(libasan):
+        pytest.skip("AddressSanitizer's runtime is not installed")
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0", CUFLASH_SIMT_MODE="memcheck",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    result = subprocess.run([sys.executable, "-c", MEMCHECK_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]
