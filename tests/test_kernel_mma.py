@@ -93,6 +93,7 @@ def test_emulator_schedules(schedule, case):
             os.environ["CUFLASH_SIMT_SEED"] = old
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the reference's inf - inf
 @pytest.mark.parametrize("dtype", HALVES)
 def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
     """Hidden from every row (masked, past the causal diagonal) and hidden from some rows only: the tile's
@@ -110,6 +111,12 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
         assert_accurate(out, q, k, v, lse=lse, mask=mask, causal=True)
         out = cuflash.attention(q, k, v, causal=True, window=(20, None), backend="simt", block=block)
         assert_accurate(out, q, k, v, causal=True, window=(20, None))
+    # Q_i read from shared memory each tile (MT * D > 128): P's scratch rows have their own space.
+    q2, k2 = rand(rng, (n, 160), dtype, 0.2), rand(rng, (m, 160), dtype, 0.2)
+    block = BlockConfig.mma(32, 32, 1)
+    assert not tensorcore.q_in_registers(Workload(dtype, 160, d), block)
+    out = cuflash.attention(q2, k2, v, mask=mask, causal=True, backend="simt", block=block)
+    assert_accurate(out, q2, k2, v, mask=mask, causal=True)
 
 
 def test_fully_masked_rows_and_bias_minus_inf():
