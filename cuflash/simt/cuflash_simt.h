@@ -39,7 +39,16 @@
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
+// g++ says __SANITIZE_ADDRESS__; older clang only answers __has_feature. Every switch of stacks must be
+// announced to ASan when it is on, or it reports false stack overflows.
 #if defined(__SANITIZE_ADDRESS__)
+#define CUFLASH_SIMT_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CUFLASH_SIMT_ASAN 1
+#endif
+#endif
+#if defined(CUFLASH_SIMT_ASAN)
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 extern "C" void __asan_report_load_n(void* addr, size_t size);  // ASan's own reporters (not in its public header)
@@ -530,6 +539,8 @@ struct Context {
   }
 };
 inline void switch_context(Context& from, Context& to) { cuflash_simt_switch(&from.sp, to.sp); }
+// Where the fiber's stack pointer stood when it last switched away (null: unknown).
+inline char* saved_sp(const Context& c) { return (char*)c.sp; }
 inline unsigned get_mxcsr() { unsigned m; asm volatile("stmxcsr %0" : "=m"(m)); return m; }
 inline void set_mxcsr(unsigned m) { asm volatile("ldmxcsr %0" : : "m"(m)); }
 #else
@@ -544,6 +555,7 @@ struct Context {
   }
 };
 inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline char* saved_sp(const Context&) { return nullptr; }
 inline unsigned get_mxcsr() { return 0; }
 inline void set_mxcsr(unsigned) {}
 #endif
@@ -553,6 +565,10 @@ inline void set_mxcsr(unsigned) {}
 struct Stack {
   char* lo = nullptr;    // lowest usable byte (above the guard page)
   size_t size = 0;
+  // AddressSanitizer: the lowest byte whose shadow may hold poison left by frames that never returned (a
+  // fiber's last switch leaves its whole call chain on the stack). Kept with the stack, not the fiber, so
+  // that it survives into the next launch that reuses the stack.
+  char* poison_lo = nullptr;
 };
 inline Stack map_stack(size_t size) {
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
@@ -560,7 +576,10 @@ inline Stack map_stack(size_t size) {
   void* p = mmap(nullptr, size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return Stack{};
   mprotect(p, page, PROT_NONE);
-  return Stack{(char*)p + page, size};
+  char* lo = (char*)p + page;
+  // A fresh mapping may reuse addresses whose shadow a dead mapping poisoned (not every libasan clears
+  // shadow on mmap): treat the whole stack as suspect.
+  return Stack{lo, size, lo};
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -608,7 +627,6 @@ struct Fiber {
   const char* what = "";
   std::vector<CpAsync> cp_queue;
   unsigned cp_committed = 0;  // cp.async groups committed so far
-  bool dirty = false;         // abandoned mid-run: its stack may hold sanitizer poison
   char* stack_lo = nullptr;
   size_t stack_size = 0;
   void* fake_stack = nullptr;
@@ -699,14 +717,14 @@ inline std::string thread_name(const Fiber& f) {
 
 // ---- sanitizer bookkeeping around stack switches ----
 inline void asan_enter(void** fake_save, const void* bottom, size_t size) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(CUFLASH_SIMT_ASAN)
   __sanitizer_start_switch_fiber(fake_save, bottom, size);
 #else
   (void)fake_save; (void)bottom; (void)size;
 #endif
 }
 inline void asan_landed(void* fake_save, const void** bottom_old, size_t* size_old) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(CUFLASH_SIMT_ASAN)
   __sanitizer_finish_switch_fiber(fake_save, bottom_old, size_old);
 #else
   (void)fake_save; (void)bottom_old; (void)size_old;
@@ -728,8 +746,7 @@ inline void to_scheduler(Fiber* f, bool exiting = false) {
     b->failed = true;
     b->error = msg;
   }
-  f->dirty = true;
-  to_scheduler(f);
+  to_scheduler(f, true);  // never resumed: let ASan drop its fake stack
   std::abort();  // unreachable: the scheduler never resumes a failed block
 }
 [[noreturn]] inline void fail_here(const char* fmt, ...) {
@@ -1014,7 +1031,7 @@ inline void cp_async(void* dst, const void* src, int size, int src_size, int lin
               size);
   if (src_size < 0 || src_size > size)
     fail_here("cp.async (line %d): src-size %d outside [0, %d]", line, src_size, size);
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(CUFLASH_SIMT_ASAN)
   // Check both ranges now, so that an out-of-bounds copy is reported at the line that issues it.
   if (void* bad = __asan_region_is_poisoned(const_cast<void*>(src), (size_t)src_size)) __asan_report_load_n(bad, 1);
   if (void* bad = __asan_region_is_poisoned(dst, (size_t)size)) __asan_report_store_n(bad, 1);
@@ -1173,7 +1190,7 @@ inline void on_segv(int sig, siginfo_t* info, void* ctx) {
   (void)sig; (void)ctx;
 }
 inline void install_overflow_handler() {
-#if !defined(__SANITIZE_ADDRESS__)
+#if !defined(CUFLASH_SIMT_ASAN)
   static std::once_flag once;
   std::call_once(once, [] {
     struct sigaction a;
@@ -1203,13 +1220,15 @@ inline void run_block(Block& b, StackSet& stacks) {
   for (unsigned i = 0; i < n; i++) {
     Fiber& f = b.fibers[i];
     Stack& st = stacks.stacks[i];
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(CUFLASH_SIMT_ASAN)
     // Frames that never returned (the previous fiber's fiber_main and exit path, or all of an abandoned
-    // fiber's frames) leave poison in the stack's shadow; clear it where it could meet our own writes.
-    if (f.dirty) __asan_unpoison_memory_region(st.lo, st.size);
-    else __asan_unpoison_memory_region(st.lo + st.size - 16384, 16384);
+    // fiber's frames) leave poison in the stack's shadow, and the next fiber's frames do not all rewrite
+    // it (Context::init's stores and compiler temporaries would trip over it): clear it first.
+    char* top = st.lo + st.size;
+    char* from = st.poison_lo && st.poison_lo >= st.lo && st.poison_lo < top ? st.poison_lo : st.lo;
+    __asan_unpoison_memory_region(from, (size_t)(top - from));
+    st.poison_lo = top;
 #endif
-    f.dirty = false;
     f.block = &b;
     f.linear = i;
     f.lane = i % 32;
@@ -1241,10 +1260,16 @@ inline void run_block(Block& b, StackSet& stacks) {
     switch_context(tl.sched, f.ctx);
     asan_landed(fake, nullptr, nullptr);
   }
-  // Fibers that did not finish (a failed block) leave sanitizer poison on their stacks.
-  if (b.failed)
-    for (Fiber& f : b.fibers)
-      if (f.state != DONE) f.dirty = true;
+#if defined(CUFLASH_SIMT_ASAN)
+  // Every fiber's call chain at its last switch (exited or abandoned) lies above its saved stack pointer;
+  // frames below it returned and cleared their own shadow. 256 bytes cover the x86-64 red zone.
+  for (unsigned i = 0; i < n; i++) {
+    Stack& st = stacks.stacks[i];
+    char* sp = saved_sp(b.fibers[i].ctx);
+    char* lo = sp && sp - 256 > st.lo ? sp - 256 : st.lo;
+    if (lo < st.poison_lo) st.poison_lo = lo;
+  }
+#endif
   tl.fiber = nullptr;
 }
 

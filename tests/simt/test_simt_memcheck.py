@@ -39,14 +39,14 @@ def marker_line(marker):
     raise LookupError(marker)
 
 
-def run_child(which):
+def run_child(which, script="memcheck_child.py"):
     lib = libasan()
     if lib is None:
         pytest.skip("g++ has no libasan.so")
     env = dict(os.environ, LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0", PYTHONPATH=os.pathsep.join(
         [str(simt_util.ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
     env.pop("CUFLASH_SIMT_MODE", None)
-    return subprocess.run([sys.executable, str(HERE / "memcheck_child.py"), str(which)], capture_output=True,
+    return subprocess.run([sys.executable, str(HERE / script), str(which)], capture_output=True,
                           text=True, env=env, timeout=600)
 
 
@@ -67,6 +67,14 @@ def test_asan_reports_out_of_bounds_with_the_kernel_line(which, kind, marker):
 def test_clean_kernel_passes_memcheck():
     r = run_child(0)
     assert r.returncode == 0 and "CLEAN" in r.stdout, r.stdout + r.stderr
+
+
+def test_memcheck_has_no_false_positives_on_reused_stacks():
+    """Launches abandoned deep (a failed block leaves its fibers' frames, redzones and all, on the stacks) followed
+    by clean ones on the same stacks, in every schedule, several block sizes, from two OS threads: no report, and
+    no stale poison below a kernel's frame (an earlier version cleared it only within one launch)."""
+    r = run_child(12, "memcheck_reuse_child.py")
+    assert r.returncode == 0 and "CLEAN 12" in r.stdout, r.stdout + r.stderr[-6000:]
 
 
 @pytest.mark.skipif(simt.asan_loaded(), reason="AddressSanitizer is preloaded here")
