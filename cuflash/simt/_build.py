@@ -22,9 +22,11 @@ _MODE_FLAGS = {
 }
 # Kernels pun types (uint4 loads of halves, float bits as int): g++ must not assume strict aliasing.
 # Hidden visibility and no STB_GNU_UNIQUE keep each module's kernels and statics its own, even when two
-# modules instantiate the same template.
+# modules instantiate the same template. -fstack-clash-protection probes every page of a large frame in
+# order, so a kernel whose locals overflow its fiber stack faults in the guard below it (and is reported)
+# instead of landing wherever the frame's first write happens to reach.
 _COMMON_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden", "-fno-gnu-unique",
-                 "-fno-strict-aliasing", "-fdiagnostics-plain-output"]
+                 "-fno-strict-aliasing", "-fstack-clash-protection", "-fdiagnostics-plain-output"]
 
 
 class CompileError(RuntimeError):

@@ -560,10 +560,13 @@ inline unsigned get_mxcsr() { return 0; }
 inline void set_mxcsr(unsigned) {}
 #endif
 
-// Fiber stacks: mmap'd lazily (only touched pages cost memory), a PROT_NONE guard page at the bottom,
-// reused across blocks and launches.
+// Fiber stacks: mmap'd lazily (only touched pages cost memory), reused across blocks and launches, each with
+// a PROT_NONE guard below it. Kernels are built with -fstack-clash-protection, which touches every page of a
+// large frame in order, so an overflow faults in the guard (and the SIGSEGV handler can say so) instead of
+// writing into whatever lies below; the guard is larger than a page only as a margin for code built without it.
+constexpr size_t kStackGuard = 64 * 1024;
 struct Stack {
-  char* lo = nullptr;    // lowest usable byte (above the guard page)
+  char* lo = nullptr;    // lowest usable byte (above the guard)
   size_t size = 0;
   // AddressSanitizer: the lowest byte whose shadow may hold poison left by frames that never returned (a
   // fiber's last switch leaves its whole call chain on the stack). Kept with the stack, not the fiber, so
@@ -573,10 +576,11 @@ struct Stack {
 inline Stack map_stack(size_t size) {
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   size = (size + page - 1) / page * page;
-  void* p = mmap(nullptr, size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  size_t guard = (kStackGuard + page - 1) / page * page;
+  void* p = mmap(nullptr, size + guard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return Stack{};
-  mprotect(p, page, PROT_NONE);
-  char* lo = (char*)p + page;
+  mprotect(p, guard, PROT_NONE);
+  char* lo = (char*)p + guard;
   // A fresh mapping may reuse addresses whose shadow a dead mapping poisoned (not every libasan clears
   // shadow on mmap): treat the whole stack as suspect.
   return Stack{lo, size, lo};
@@ -1175,10 +1179,10 @@ inline void release_stacks(StackSet* s) {
 inline struct sigaction& previous_segv() { static struct sigaction a; return a; }
 inline void on_segv(int sig, siginfo_t* info, void* ctx) {
   Worker& w = tl;
-  uintptr_t a = (uintptr_t)info->si_addr, page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  uintptr_t a = (uintptr_t)info->si_addr;
   if (w.launch && w.stacks)
     for (const Stack& st : w.stacks->stacks)
-      if (a >= (uintptr_t)st.lo - page && a < (uintptr_t)st.lo) {
+      if (a >= (uintptr_t)st.lo - kStackGuard && a < (uintptr_t)st.lo) {
         char msg[512];
         int n = snprintf(msg, sizeof msg, "cuflash.simt: kernel '%s' overflowed its %zu-byte stack per CUDA thread "
                          "(large local arrays?); pass a bigger stack_size= to RawModule\n", w.launch->kernel,
