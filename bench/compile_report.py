@@ -15,8 +15,6 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cuflash import launch, nvrtc, tiling  # noqa: E402

@@ -31,7 +31,6 @@ Where the seed's accounting is loose (kept as is in the seed functions, so its t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 

@@ -38,3 +38,25 @@ def check_case(case, backend=None, to_device=None, **extra):
     assert result is out
     get = (lambda x: x.get()) if to_device else (lambda x: x)
     assert_accurate(get(result), case.q, case.k, case.v, lse=get(lse), **case.options)
+
+
+def problem_and_outputs(q, k, v, **options):
+    """(Problem, out, lse) exactly as the front door hands them to a backend, caught by a stand-in backend."""
+    import cuflash.backends as registry
+
+    captured = {}
+
+    class Spy:
+        ARRAYS = "numpy"
+
+        @staticmethod
+        def run(problem, out, lse, block=None):
+            captured.update(problem=problem, out=out, lse=lse)
+
+    original = registry.get
+    registry.get = lambda name, xp: Spy
+    try:
+        cuflash.attention(q, k, v, return_lse=True, **options)
+    finally:
+        registry.get = original
+    return captured["problem"], captured["out"], captured["lse"]

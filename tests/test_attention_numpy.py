@@ -1,7 +1,5 @@
 """Properties of cuflash.attention on the NumPy backend against the float64 reference."""
 
-import numpy as np
-import pytest
 from hypothesis import given, settings
 
 from harness import check_case

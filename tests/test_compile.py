@@ -5,7 +5,6 @@ sm_90 with no spills and no static shared memory, and the kernel's shared-memory
 import os
 import sys
 
-import numpy as np
 import pytest
 
 from cuflash import launch, nvrtc, tiling

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cuflash import cost
+from reference import visibility  # the visibility rule written out over every (i, j)
 
 H, D = 32, 128
 
@@ -142,21 +143,6 @@ def test_sram_and_intensity_grow_with_block(b1, b2, d):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def brute_visible(n, m, causal, window):
-    """The visibility rule written out over every (i, j)."""
-    left, right = window if window is not None else (None, None)
-    i = np.arange(n)[:, None] + (m - n)
-    j = np.arange(m)[None, :]
-    vis = np.ones((n, m), dtype=bool)
-    if left is not None:
-        vis &= j >= i - left
-    if right is not None:
-        vis &= j <= i + right
-    if causal:
-        vis &= j <= i
-    return vis
-
-
 side = st.one_of(st.none(), st.integers(-3, 40))
 windows = st.one_of(st.none(), st.tuples(side, side))
 small = st.integers(0, 40)
@@ -164,7 +150,7 @@ small = st.integers(0, 40)
 
 @given(small, small, st.integers(1, 9), st.integers(1, 9), st.integers(1, 5), st.booleans(), windows)
 def test_flops_equal_brute_force(n, m, d, e, batch, causal, window):
-    pairs = int(brute_visible(n, m, causal, window).sum())
+    pairs = int(visibility(n, m, causal, window).sum())
     assert cost.visible_pairs(n, m, causal, window) == pairs
     assert cost.flops(batch, n, m, d, e, causal, window) == batch * pairs * 2 * (d + e)
 
@@ -199,7 +185,7 @@ def test_problem_flops_reads_a_problem():
 
 def brute_walk(n, m, br, bc, causal, window):
     """(key rows loaded, mask elements read, distinct key rows) over the tiles holding a visible pair."""
-    vis = brute_visible(n, m, causal, window)
+    vis = visibility(n, m, causal, window)
     key_rows = elems = 0
     used = np.zeros(m, dtype=bool)
     for i0 in range(0, n, br):

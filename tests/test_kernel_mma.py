@@ -18,7 +18,7 @@ import cuflash
 import cuflash.simt
 from cuflash import BlockConfig, DeviceLimits, launch, tensorcore, tiling
 from cuflash.tiling import Workload
-from harness import check_case
+from harness import check_case, problem_and_outputs
 from reference import assert_accurate
 from strategies import cases
 
@@ -164,27 +164,6 @@ def test_dispatcher_falls_back_to_cuda_cores(workload, device):
     assert tiling.choose(workload, device).variant == "fma"
 
 
-def problem_and_outputs(q, k, v):
-    """The Problem the front door builds, caught by a stand-in backend."""
-    captured = {}
-
-    class Spy:
-        ARRAYS = "numpy"
-
-        @staticmethod
-        def run(problem, out, lse, block=None):
-            captured.update(problem=problem, out=out, lse=lse)
-
-    import cuflash.backends as registry
-    original = registry.get
-    registry.get = lambda name, xp: Spy
-    try:
-        cuflash.attention(q, k, v, return_lse=True)
-    finally:
-        registry.get = original
-    return captured["problem"], captured["out"], captured["lse"]
-
-
 def test_simt_backend_picks_tensor_cores_for_halves():
     rng = np.random.default_rng(14)
     q = rand(rng, (20, 64), F16)
@@ -253,12 +232,9 @@ print("memcheck ok")
 @pytest.mark.memcheck
 def test_memcheck_under_address_sanitizer():
     """Out-of-bounds global, shared or cp.async accesses of the tensor-core kernel abort under ASan."""
-    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not os.path.isabs(libasan):
-        pytest.skip("AddressSanitizer's runtime is not installed")
     here = os.path.dirname(__file__)
-    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0", CUFLASH_SIMT_MODE="memcheck",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    env = cuflash.simt.memcheck_env()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
     result = subprocess.run([sys.executable, "-c", MEMCHECK_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 import cuflash
 import cuflash.simt
 from cuflash import BlockConfig, launch, tiling
-from harness import check_case
+from harness import check_case, problem_and_outputs
 from reference import assert_accurate
-from strategies import Case, cases
+from strategies import cases
 
 pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT emulator needs g++")
 
@@ -122,31 +122,10 @@ def test_batch_with_more_dims_than_the_kernel_takes():
     q = rand(rng, batch + (5, 4))
     k = rand(rng, (2, 1) * 3 + (2, 6, 4))
     v = rand(rng, (1, 2) * 3 + (2, 6, 3))
-    problem_launches = launch.launches(*_problem_and_outputs(q, k, v), BlockConfig(16, 16))
+    problem_launches = launch.launches(*problem_and_outputs(q, k, v), BlockConfig(16, 16))
     assert len(problem_launches) == 2
     out = cuflash.attention(q, k, v, backend="simt")
     assert_accurate(out, q, k, v)
-
-
-def _problem_and_outputs(q, k, v):
-    from cuflash.api import attention  # noqa: F401  (the Problem is built the front door's way)
-    captured = {}
-
-    class Spy:
-        ARRAYS = "numpy"
-
-        @staticmethod
-        def run(problem, out, lse, block=None):
-            captured.update(problem=problem, out=out, lse=lse)
-
-    import cuflash.backends as registry
-    original = registry.get
-    registry.get = lambda name, xp: Spy
-    try:
-        cuflash.attention(q, k, v, return_lse=True)
-    finally:
-        registry.get = original
-    return captured["problem"], captured["out"], captured["lse"]
 
 
 @pytest.mark.parametrize("offset", [0, 1])
@@ -155,7 +134,7 @@ def test_vector_loads_only_when_aligned(offset):
     base = rand(rng, (3, 40, 64 + 8), np.float16)
     q = base[:, :, offset:offset + 64]  # offset 1: every row starts 2 bytes past a 16-byte boundary
     k, v = base[:, :37, 8 - offset:72 - offset], base[:, 3:, :64]
-    problem, out, lse = _problem_and_outputs(q, k, v)
+    problem, out, lse = problem_and_outputs(q, k, v)
     flags = launch.launches(problem, out, lse, BlockConfig(64, 64))[0].args[-1]
     vector_q = bool(flags & launch.VECTOR_Q)
     assert vector_q == (offset == 0 and q.ctypes.data % 16 == 0)
@@ -166,7 +145,7 @@ def test_vector_loads_only_when_aligned(offset):
 def test_launch_uses_the_shared_memory_model():
     rng = np.random.default_rng(6)
     q, k, v = rand(rng, (20, 59)), rand(rng, (30, 59)), rand(rng, (30, 111))
-    problem, out, lse = _problem_and_outputs(q, k, v)
+    problem, out, lse = problem_and_outputs(q, k, v)
     config = BlockConfig(32, 64)
     (only,) = launch.launches(problem, out, lse, config)
     assert only.shared_mem == tiling.shared_memory_bytes(problem, config)
@@ -216,12 +195,9 @@ print("memcheck ok")
 @pytest.mark.memcheck
 def test_memcheck_under_address_sanitizer():
     """A representative subset in the emulator's memcheck mode: out-of-bounds global or shared accesses abort."""
-    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    if not os.path.isabs(libasan):
-        pytest.skip("AddressSanitizer's runtime is not installed")
     here = os.path.dirname(__file__)
-    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0", CUFLASH_SIMT_MODE="memcheck",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    env = cuflash.simt.memcheck_env()
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
     result = subprocess.run([sys.executable, "-c", MEMCHECK_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=900)
     assert "probe ok" in result.stdout, "memcheck fails on a trivial kernel: " + result.stderr[-4000:]

@@ -7,9 +7,9 @@ g++ compiles the same source NVRTC compiles, against ``cuflash_simt.h``, which r
 
 from ._build import CompileError, cache_dir
 from ._module import (DEFAULT_DYNAMIC_SHARED, H100_SHARED, MEMCHECK_HINT, Function, LaunchError, RawModule,
-                      asan_loaded, available, unavailable_reason)
+                      asan_loaded, available, libasan_path, memcheck_env, unavailable_reason)
 from ._source import SourceError
 
 __all__ = ["RawModule", "Function", "LaunchError", "CompileError", "SourceError", "available",
-           "unavailable_reason", "asan_loaded", "cache_dir", "H100_SHARED",
+           "unavailable_reason", "asan_loaded", "libasan_path", "memcheck_env", "cache_dir", "H100_SHARED",
            "DEFAULT_DYNAMIC_SHARED", "MEMCHECK_HINT"]

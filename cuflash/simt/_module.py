@@ -52,6 +52,35 @@ def asan_loaded() -> bool:
     return _runtime_loaded("libasan")
 
 
+def libasan_path() -> str | None:
+    """The compiler's AddressSanitizer runtime, or None when it has none."""
+    import subprocess
+
+    compiler = _build.compiler()
+    if compiler is None:
+        return None
+    try:
+        path = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return None
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+def memcheck_env(base=None, mode="memcheck") -> dict:
+    """An environment for a child Python that runs kernels under AddressSanitizer: base (default os.environ)
+    with ASan preloaded and, unless mode is None, CUFLASH_SIMT_MODE set. RuntimeError when the compiler has
+    no ASan runtime."""
+    libasan = libasan_path()
+    if libasan is None:
+        raise RuntimeError("the C++ compiler has no AddressSanitizer runtime (libasan.so): memcheck cannot run")
+    env = dict(os.environ if base is None else base, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0")
+    if mode is None:
+        env.pop("CUFLASH_SIMT_MODE", None)
+    else:
+        env["CUFLASH_SIMT_MODE"] = mode
+    return env
+
+
 def _resolve_mode(mode):
     mode = mode or os.environ.get("CUFLASH_SIMT_MODE") or "fast"
     if mode not in _build.MODES:

@@ -23,14 +23,6 @@ pytestmark = pytest.mark.skipif(not simt.available(), reason=str(simt.unavailabl
 HERE = Path(__file__).resolve().parent
 
 
-def libasan():
-    try:
-        path = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return None
-    return path if os.path.isabs(path) and os.path.exists(path) else None
-
-
 def marker_line(marker):
     """The line of the assembled source (common.cuh + ptx.cuh + memcheck.cu) that carries the marker comment."""
     for i, line in enumerate(simt_util.source("memcheck.cu", with_ptx=True).splitlines(), 1):
@@ -40,12 +32,8 @@ def marker_line(marker):
 
 
 def run_child(which, script="memcheck_child.py"):
-    lib = libasan()
-    if lib is None:
-        pytest.skip("g++ has no libasan.so")
-    env = dict(os.environ, LD_PRELOAD=lib, ASAN_OPTIONS="detect_leaks=0", PYTHONPATH=os.pathsep.join(
-        [str(simt_util.ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env.pop("CUFLASH_SIMT_MODE", None)
+    env = simt.memcheck_env(mode=None)
+    env["PYTHONPATH"] = os.pathsep.join([str(simt_util.ROOT), str(HERE), os.environ.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, str(HERE / script), str(which)], capture_output=True,
                           text=True, env=env, timeout=600)
 
