@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 import cuflash
@@ -27,10 +29,26 @@ def poisoned_out(shape, dtype, kind="contiguous"):
     return np.full(shape, np.nan, dtype=dtype)
 
 
+def on_device(x, to_device):
+    """x moved by to_device with its layout kept (strides, stride-0 axes, offset, reversed axes): the bytes it spans
+    travel and the same view is taken there. to_device alone (cupy.asarray) hands over a compact copy, so device
+    runs would never see a strided out= or a strided input."""
+    if not isinstance(x, np.ndarray) or x.size == 0 or x.flags.c_contiguous or any(s % x.itemsize for s in x.strides):
+        return to_device(x)
+    item = x.itemsize
+    lo = sum((size - 1) * s for size, s in zip(x.shape, x.strides) if s < 0)
+    hi = sum((size - 1) * s for size, s in zip(x.shape, x.strides) if s > 0) + item
+    lowest = x[tuple(size - 1 if s < 0 else 0 for size, s in zip(x.shape, x.strides)) + (...,)]  # a 0-d view
+    span = to_device(np.lib.stride_tricks.as_strided(lowest, shape=((hi - lo) // item,), strides=(item,)).copy())
+    xp = importlib.import_module(type(span).__module__.split(".")[0])
+    return xp.lib.stride_tricks.as_strided(span[-lo // item:], shape=x.shape, strides=x.strides)
+
+
 def check_case(case, backend=None, to_device=None, **extra):
-    """to_device: optional function moving NumPy arrays to the backend's array type (and back with .get())."""
+    """to_device: optional function moving NumPy arrays to the backend's array type (and back with .get());
+    operands and out= keep their layout there (on_device)."""
     dtype = np.dtype(result_dtype_name(case.q, case.k, case.v))
-    move = to_device or (lambda x: x)
+    move = (lambda x: on_device(x, to_device)) if to_device else (lambda x: x)
     out = move(poisoned_out(result_shape(case), dtype, case.out_kind))
     options = {key: (move(val) if isinstance(val, np.ndarray) else val) for key, val in case.options.items()}
     result, lse = cuflash.attention(move(case.q), move(case.k), move(case.v), out=out, return_lse=True,
