@@ -5,12 +5,14 @@ It knows NumPy and nothing of kernels: it turns the arguments into one Problem a
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import numbers
 
 import numpy as np
 
 from . import backends
-from .dtypes import acc_dtype_of, common_dtype, describe, is_real_float, same_kind
+from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, same_kind
 from .problem import SIGNATURE, Problem, default_scale
 
 NAME = "attention"
@@ -40,12 +42,20 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     Returns out, or (out, lse) with return_lse=True.
     """
     xp = array_module(q, k, v, mask, bias, out)
+    # CuPy allocates and launches on the current device: make it the operands' one for casts, out and lse.
+    with device_of(xp, (q, k, v, mask, bias, out)):
+        return _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block)
+
+
+def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block):
     q, k, v = (as_array(x, xp) for x in (q, k, v))
     check_core_dims(q, k, v)
     dtype = common_dtype(q.dtype, k.dtype, v.dtype, name=NAME)
     mask = None if mask is None else as_array(mask, xp)
     bias = None if bias is None else as_array(bias, xp)
     check_mask_bias_dtypes(mask, bias)
+    check_bfloat16_support(xp, [dtype, q.dtype, k.dtype, v.dtype] + [x.dtype for x in (bias, out)
+                                                                  if isinstance(x, xp.ndarray)])
 
     n, d = q.shape[-2:]
     m, e = v.shape[-2:]
@@ -92,6 +102,38 @@ def array_module(*operands):
         import cupy
         return cupy
     return np
+
+
+def device_of(xp, operands):
+    """The device of the first CuPy array among operands, as a context manager (nothing for NumPy)."""
+    if xp is not np:
+        for x in operands:
+            if isinstance(x, xp.ndarray):
+                return x.device
+    return contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_bfloat16_problem():
+    """None when CuPy computes in ml_dtypes.bfloat16 (CuPy 14 with NumPy 2.1.2+), else what went wrong: CuPy 13
+    holds such arrays but its kernels (a cast, a copy) fail deep inside."""
+    import cupy
+    try:
+        cupy.zeros(2, dtype=np.float32).astype(bfloat16).astype(np.float32)
+    except Exception as exc:  # CuPy's TypeError, or a compile error of its cast kernel
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def check_bfloat16_support(xp, dtypes):
+    if xp is np or bfloat16 not in dtypes:
+        return
+    problem = cupy_bfloat16_problem()
+    if problem:
+        import cupy
+        raise TypeError(
+            f"{NAME}: this CuPy cannot compute in bfloat16 (CuPy {cupy.__version__}: {problem}); bfloat16 needs "
+            f"CuPy 14 or later with NumPy 2.1.2 or later; or pass float16 or float32 arrays")
 
 
 def module_name(x) -> str:
