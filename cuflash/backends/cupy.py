@@ -8,6 +8,7 @@ kernel's attributes are checked: a spill to local memory in a configuration the 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 from .. import launch, nvrtc, tiling
@@ -43,6 +44,14 @@ def device_limits(device_id: int) -> tiling.DeviceLimits:
 
 def run(problem, out, lse, block=None):
     device = out.device
+    # Every pointer must be on the device the kernel runs on (else an illegal address, or a peer access).
+    operands = {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": problem.bias,
+                "out": out, "lse": lse}
+    where = {name: x.device.id for name, x in operands.items() if x is not None}
+    if len(set(where.values())) > 1:
+        listed = ", ".join(f"{name} on {dev}" for name, dev in where.items())
+        raise ValueError(f"attention: operands are on different devices ({listed}); move them to one device "
+                         f"with cupy.asarray inside `with cupy.cuda.Device(i)`")
     with device:
         limits = device_limits(device.id)
         config = tiling.resolve(block, problem, limits)
@@ -54,10 +63,17 @@ def run(problem, out, lse, block=None):
         launch.run(problem, out, lse, config, get_kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _options() -> tuple:
+    """NVRTC options, once per process (include_dirs() searches the file system). No -arch: CuPy appends the
+    current device's, and NVRTC refuses a second one."""
+    return tuple(nvrtc.options())
+
+
 def kernel(device_id: int, name: str, shared_mem: int, limits, check_spills=True):
     import cupy
 
-    options = tuple(nvrtc.options())
+    options = _options()
     key = (device_id, options, name)
     function = _functions.get(key)
     if function is None:
