@@ -69,10 +69,12 @@ def timed(fn, xp, repeats=3):
             fn()
             times.append(time.perf_counter() - t0)
         else:
+            # Recorded on the stream the kernels run on (CuPy's current one), whatever it is.
+            stream = xp.cuda.get_current_stream()
             start, stop = xp.cuda.Event(), xp.cuda.Event()
-            start.record()
+            start.record(stream)
             fn()
-            stop.record()
+            stop.record(stream)
             stop.synchronize()
             times.append(xp.cuda.get_elapsed_time(start, stop) / 1e3)
     return float(np.median(times))
