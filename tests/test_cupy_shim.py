@@ -1,0 +1,499 @@
+"""The cupy backend's own code (cuflash/backends/cupy.py, the front door on CuPy arrays, DeviceLimits.of, the
+launch path, python -m cuflash's GPU path) run on the CPU: a stand-in `cupy` module holds NumPy memory and runs
+kernels on the SIMT emulator.
+
+Only the stand-in differs from CuPy. Every call it answers has CuPy 14's signature and, where CuPy is stricter than
+NumPy, CuPy's checks: RawModule takes options as a tuple and gets no -arch (CuPy appends its own), get_function
+takes one of the name expressions, a launch takes grid and block tuples and converts arguments as CuPy's
+_pointer does (arrays by pointer, Python int as long long, float as double, NumPy scalars by their type), the
+dynamic shared memory above 48 KiB needs max_dynamic_shared_size_bytes first, implicit conversion to NumPy is an
+error, and a launch on a device other than the arrays' fails (on a GPU it would be an illegal address).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import time
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+import cuflash.simt
+from cuflash import api, tiling
+from cuflash.backends import cupy as cupy_backend
+from harness import check_case
+from strategies import Case, make_view
+
+pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT emulator needs g++")
+
+H100 = tiling.DeviceLimits.known("H100")
+DEVICES = 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The stand-in cupy module
+
+
+class _State:
+    current = 0  # the current device (cudaGetDevice)
+    bfloat16 = True  # whether this "CuPy" computes in bfloat16 (CuPy 14 does; 13 does not)
+    launches = []  # (name, grid, block, shared_mem, device) of every kernel launch
+
+
+class MemoryPointer:
+    def __init__(self, ptr, device_id):
+        self.ptr = ptr
+        self.device_id = device_id
+
+
+class Device:
+    """cupy.cuda.Device(device=None): a context manager making `id` the current device."""
+
+    def __init__(self, device=None):
+        if device is None:
+            device = _State.current
+        self.id = device.id if isinstance(device, Device) else operator.index(device)
+        if not 0 <= self.id < DEVICES:
+            raise RuntimeError(f"cudaErrorInvalidDevice: invalid device ordinal {self.id}")
+        self._saved = []
+
+    def __enter__(self):
+        self._saved.append(_State.current)
+        _State.current = self.id
+        return self
+
+    def __exit__(self, *exc):
+        _State.current = self._saved.pop()
+
+    def use(self):
+        _State.current = self.id
+
+    @property
+    def compute_capability(self):
+        return "90"
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and other.id == self.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
+
+
+def _bf16_check(dtype):
+    if dtype is not None and not _State.bfloat16 and np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):
+        raise TypeError("Unsupported dtype bfloat16")
+
+
+class ndarray:
+    """A CuPy array over NumPy memory, on one device."""
+
+    def __init__(self, array, device_id):
+        assert isinstance(array, np.ndarray)
+        self._a = array
+        self._device_id = device_id
+
+    shape = property(lambda self: self._a.shape)
+    ndim = property(lambda self: self._a.ndim)
+    dtype = property(lambda self: self._a.dtype)
+    strides = property(lambda self: self._a.strides)
+    size = property(lambda self: self._a.size)
+    nbytes = property(lambda self: self._a.nbytes)
+    itemsize = property(lambda self: self._a.itemsize)
+    data = property(lambda self: MemoryPointer(self._a.ctypes.data, self._device_id))
+    device = property(lambda self: Device(self._device_id))
+
+    def __array__(self, *args, **kwargs):  # CuPy refuses implicit conversion
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
+                        "NumPy array explicitly.")
+
+    def _wrap(self, a):
+        return ndarray(a, self._device_id)
+
+    def __getitem__(self, key):
+        return self._wrap(self._a[_unwrap(key)])
+
+    def __setitem__(self, key, value):
+        self._a[_unwrap(key)] = value._a if isinstance(value, ndarray) else value
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        _bf16_check(dtype)
+        _bf16_check(self.dtype)
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return self._wrap(self._a.astype(dtype, order=order, casting=casting or "unsafe", copy=True))
+
+    def reshape(self, *shape, order="C"):
+        return self._wrap(self._a.reshape(*shape, order=order))
+
+    def copy(self, order="C"):
+        return self._wrap(self._a.copy(order=order))
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        return np.array(self._a, order=order, copy=True)
+
+    def __repr__(self):
+        return f"shim.ndarray({self._a!r}, device={self._device_id})"
+
+
+ndarray.__module__ = "cupy"  # what the front door routes by
+
+
+def _unwrap(x):
+    if isinstance(x, ndarray):
+        return x._a
+    if isinstance(x, tuple):
+        return tuple(_unwrap(y) for y in x)
+    return x
+
+
+def _same_device(*arrays):
+    ids = {a._device_id for a in arrays if isinstance(a, ndarray)}
+    if len(ids) > 1:
+        raise ValueError(f"The device where the array resides ({sorted(ids)}) is different from the current device")
+
+
+def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
+    _bf16_check(dtype)
+    if isinstance(a, ndarray):
+        if a._device_id != _State.current:  # CuPy copies across devices
+            return ndarray(np.array(a._a, dtype=dtype, order="K", copy=True), _State.current)
+        return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+    host = np.array(a, dtype=dtype, order="C" if order is None else order, copy=True)
+    _bf16_check(host.dtype)
+    return ndarray(host, _State.current)
+
+
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
+    return a.get(order=order) if isinstance(a, ndarray) else np.asarray(a, order=order)
+
+
+def empty(shape, dtype=float, order="C"):
+    return ndarray(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0, dtype=dtype, order=order),
+                   _State.current)  # NaN: what was never written shows
+
+
+def zeros(shape, dtype=float, order="C"):
+    return ndarray(np.zeros(shape, dtype=dtype, order=order), _State.current)
+
+
+def broadcast_to(array, shape):
+    if not isinstance(array, ndarray):
+        raise TypeError(f"broadcast_to takes a cupy.ndarray, got {type(array).__name__}")
+    return array._wrap(np.broadcast_to(array._a, shape))
+
+
+def ascontiguousarray(a, dtype=None):
+    return a._wrap(np.ascontiguousarray(a._a, dtype=dtype))
+
+
+def may_share_memory(a, b, max_work=None):
+    return a._device_id == b._device_id and np.may_share_memory(a._a, b._a)
+
+
+def copyto(dst, src, casting="same_kind", where=None):
+    if not isinstance(dst, ndarray):
+        raise TypeError("copyto() argument 1 must be cupy.ndarray")
+    _bf16_check(dst.dtype)
+    _bf16_check(src.dtype)
+    _same_device(dst, src)
+    np.copyto(dst._a, src._a, casting=casting)
+
+
+def as_strided(x, shape=None, strides=None):
+    return x._wrap(np.lib.stride_tricks.as_strided(x._a, shape=shape, strides=strides))
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+def getDeviceProperties(device):
+    device = operator.index(device)  # a Cython int argument
+    if not 0 <= device < DEVICES:
+        raise CUDARuntimeError("cudaErrorInvalidDevice: invalid device ordinal")
+    return {  # CuPy's keys; an H100's values
+        "name": b"NVIDIA H100 80GB HBM3", "major": 9, "minor": 0, "multiProcessorCount": H100.sm_count,
+        "sharedMemPerBlock": 49152, "sharedMemPerBlockOptin": H100.smem_per_block,
+        "sharedMemPerMultiprocessor": H100.smem_per_sm, "regsPerMultiprocessor": 65536, "regsPerBlock": 65536,
+        "maxThreadsPerMultiProcessor": 2048, "maxBlocksPerMultiProcessor": 32, "maxThreadsPerBlock": 1024,
+        "reservedSharedMemPerBlock": 1024, "warpSize": 32, "maxGridSize": (2**31 - 1, 65535, 65535),
+        "maxThreadsDim": (1024, 1024, 64), "totalGlobalMem": 80 * 2**30,
+    }
+
+
+class Stream:
+    null = None
+
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
+        self.ptr = 0 if null else id(self)
+        self.device_id = _State.current
+
+
+Stream.null = Stream(null=True)
+
+
+def get_current_stream(device_id=-1):
+    return Stream.null
+
+
+class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self._t = None
+
+    def record(self, stream=None):
+        self._t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def get_elapsed_time(start_event, end_event):
+    return (end_event._t - start_event._t) * 1e3  # milliseconds, as CuPy gives
+
+
+# Kernels: CuPy's RawModule / RawKernel over the emulator's, with CuPy's argument conversion.
+
+_POINTER_NUMPY_TYPES = {np.dtype(c).type for c in "?bhilqBHILQefdFD"}
+
+
+def _pointer(x, device_id):
+    """What CuPy's function._pointer makes of a launch argument, as the emulator takes it."""
+    if x is None:
+        return None
+    if isinstance(x, ndarray):
+        if x._device_id != device_id:
+            raise RuntimeError(f"an array on device {x._device_id} passed to a kernel launched on device {device_id}: "
+                               f"cudaErrorIllegalAddress on a GPU")
+        return x._a
+    if isinstance(x, np.ndarray):  # by value, size one only
+        if x.size != 1:
+            raise TypeError(f"You are trying to pass a numpy.ndarray of shape {x.shape} as a kernel parameter.")
+        return x.reshape(())[()]
+    if type(x) not in _POINTER_NUMPY_TYPES:
+        if isinstance(x, int):  # bool too: CuPy tests int first
+            return np.int64(x)
+        if isinstance(x, float):
+            return np.float64(x)
+        raise TypeError(f"Unsupported type {type(x)}")
+    return x
+
+
+class RawKernel:
+    def __init__(self, module, name):
+        self._module = module
+        self.name = name
+        self._per_device = {}  # CuPy loads the module once per device; attributes are per device
+
+    @property
+    def kernel(self):
+        dev = _State.current
+        fn = self._per_device.get(dev)
+        if fn is None:
+            m = self._module
+            sim = cuflash.simt.RawModule(code=m.code, options=m.options, name_expressions=list(m.name_expressions),
+                                         max_dynamic_shared=H100.smem_per_block, filename="cuflash.cu")
+            fn = self._per_device[dev] = sim.get_function(self.name)
+        return fn
+
+    max_dynamic_shared_size_bytes = property(
+        lambda self: self.kernel.max_dynamic_shared_size_bytes,
+        lambda self, value: setattr(self.kernel, "max_dynamic_shared_size_bytes", value))
+    local_size_bytes = property(lambda self: (self.kernel, 0)[1])
+    num_regs = property(lambda self: (self.kernel, 128)[1])
+    shared_size_bytes = property(lambda self: (self.kernel, 0)[1])
+    max_threads_per_block = property(lambda self: (self.kernel, 1024)[1])
+
+    def __call__(self, grid, block, args, **kwargs):
+        shared_mem = kwargs.pop("shared_mem", 0)
+        kwargs.pop("stream", None)
+        kwargs.pop("enable_cooperative_groups", None)
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        for what, value in (("grid", grid), ("block", block)):
+            if not isinstance(value, tuple):  # Function.__call__(tuple grid, tuple block, ...)
+                raise TypeError(f"Argument '{what}' has incorrect type (expected tuple, got {type(value).__name__})")
+        dev = _State.current
+        converted = tuple(_pointer(a, dev) for a in args)
+        _State.launches.append((self.name, grid, block, shared_mem, dev))
+        self.kernel(grid, block, converted, shared_mem=operator.index(shared_mem))
+
+
+class RawModule:
+    def __init__(self, code=None, *, path=None, options=(), backend="nvrtc", translate_cucomplex=False,
+                 enable_cooperative_groups=False, name_expressions=None, jitify=None):
+        if (code is None) == (path is None):
+            raise TypeError("Exactly one of `code` and `path` keyword arguments must be given.")
+        if not isinstance(code, str) or not isinstance(options, tuple):  # Cython: str code, tuple options
+            raise TypeError("RawModule takes code as str and options as a tuple")
+        if any(o.startswith(("-arch", "--gpu-architecture")) for o in options):
+            raise ValueError("CuPy appends -arch for the current device; another one fails in NVRTC")
+        self.code, self.options = code, options
+        self.name_expressions = tuple(name_expressions) if name_expressions is not None else None
+
+    def get_function(self, name):
+        if not self.name_expressions or name not in self.name_expressions:
+            raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: named symbol not found ({name!r} is no name expression)")
+        kernel = RawKernel(self, name)
+        kernel.kernel  # CuPy compiles and loads here
+        return kernel
+
+
+def make_shim():
+    shim = types.ModuleType("cupy")
+    shim.__version__ = "14.2.0"
+    for name in ("ndarray", "asarray", "asnumpy", "empty", "zeros", "broadcast_to", "ascontiguousarray",
+                 "may_share_memory", "copyto", "RawModule", "RawKernel"):
+        setattr(shim, name, globals()[name])
+    for name in ("bool_", "float16", "float32", "float64", "int32", "int64"):
+        setattr(shim, name, getattr(np, name))
+    shim.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: DEVICES, getDevice=lambda: _State.current, getDeviceProperties=getDeviceProperties,
+        CUDARuntimeError=CUDARuntimeError)
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.Device, cuda.runtime, cuda.Stream, cuda.Event = Device, runtime, Stream, Event
+    cuda.get_current_stream, cuda.get_elapsed_time = get_current_stream, get_elapsed_time
+    shim.cuda = cuda
+    return shim
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    shim = make_shim()
+    monkeypatch.setitem(sys.modules, "cupy", shim)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", shim.cuda)
+    # What caches the real CuPy's objects: compiled functions and device limits, and the bfloat16 probe.
+    monkeypatch.setattr(cupy_backend, "_functions", {})
+    monkeypatch.setattr(cupy_backend, "_limits", {})
+    api.cupy_bfloat16_problem.cache_clear()
+    monkeypatch.setattr(_State, "current", 0)
+    monkeypatch.setattr(_State, "bfloat16", True)
+    monkeypatch.setattr(_State, "launches", [])
+    yield shim
+    api.cupy_bfloat16_problem.cache_clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tests
+
+
+def _case(dtypes, shapes, options=None, views=None, out_kind="contiguous", seed=0):
+    rng = np.random.default_rng(seed)
+    views = views or ("contiguous",) * 3
+    q, k, v = (make_view(rng, s, t, kind) for s, t, kind in zip(shapes, dtypes, views))
+    return Case(q, k, v, dict(options or {}), out_kind)
+
+
+F16, BF16, F32, F64 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.float64)
+
+
+def test_device_limits_read_through_cupy(cupy):
+    limits = tiling.DeviceLimits.of(1)
+    assert limits == tiling.DeviceLimits.of(cupy.cuda.Device(1))
+    assert (limits.name, limits.compute_capability, limits.smem_per_block) == ("NVIDIA H100 80GB HBM3", (9, 0),
+                                                                               H100.smem_per_block)
+    assert (limits.sm_count, limits.smem_per_sm, limits.smem_reserved_per_block) == (132, 233472, 1024)
+
+
+def test_backend_is_available_and_chosen_for_cupy_arrays(cupy):
+    assert cupy_backend.unavailable() is None
+    import cuflash.backends as registry
+    assert registry.get(None, cupy) is cupy_backend
+
+
+def test_float16_on_the_tensor_core_kernel(cupy):
+    case = _case((F16,) * 3, ((2, 40, 64), (2, 70, 64), (2, 70, 64)), {"causal": True})
+    check_case(case, backend="cupy", to_device=cupy.asarray)
+    name, grid, block, shared_mem, dev = _State.launches[-1]
+    assert name.startswith("cuflash::fwd_mma<__half") and shared_mem > 48 * 1024 and dev == 0
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_float32_float64_on_the_cuda_core_kernel(cupy, dtype):
+    case = _case((dtype,) * 3, ((1, 2, 33, 59), (1, 2, 45, 59), (1, 2, 45, 24)),
+                 views=("strided", "reversed", "offset"), out_kind="strided")
+    check_case(case, backend="cupy", to_device=cupy.asarray)
+    assert _State.launches[-1][0].startswith(f"cuflash::fwd<{'float' if dtype == F32 else 'double'},")
+
+
+def test_mask_bias_window_and_grouped_query_heads(cupy):
+    rng = np.random.default_rng(3)
+    # GQA: 4 query heads share 2 key/value heads through a size-1 axis; a broadcast mask and a float16 bias.
+    q = rng.standard_normal((2, 2, 2, 30, 32)).astype(np.float16)
+    k = rng.standard_normal((2, 2, 1, 50, 32)).astype(np.float16)
+    v = make_view(rng, (2, 2, 1, 50, 32), F16, "stride0")
+    mask = rng.random((30, 50)) < 0.8
+    bias = rng.standard_normal((2, 1, 1, 30, 50)).astype(np.float16)
+    case = Case(q, k, v, {"mask": mask, "bias": bias, "window": (20, 3), "causal": True}, "reversed")
+    check_case(case, backend="cupy", to_device=cupy.asarray)
+
+
+def test_bfloat16_and_a_cast_out(cupy):
+    case = _case((BF16,) * 3, ((3, 17, 64), (3, 29, 64), (3, 29, 64)), {"bias": np.zeros((17, 29), np.float32)})
+    check_case(case, backend="cupy", to_device=cupy.asarray)
+    rng = np.random.default_rng(5)
+    q, k, v = (cupy.asarray(rng.standard_normal((9, 16)).astype(ml_dtypes.bfloat16)) for _ in range(3))
+    out = cupy.zeros((9, 16), dtype=np.float32)  # another dtype: a scratch result is cast into it
+    assert cuflash.attention(q, k, v, out=out) is out
+    assert np.isfinite(out.get()).all()
+
+
+def test_bfloat16_without_cupy_support_is_a_clear_error(cupy):
+    q = cupy.asarray(np.zeros((4, 16), np.float16))
+    bias = cupy.asarray(np.zeros((4, 4), ml_dtypes.bfloat16))
+    _State.bfloat16 = False  # now an array this CuPy can hold but not compute on, as CuPy 13's
+    with pytest.raises(TypeError, match=r"attention: this CuPy cannot compute in bfloat16"):
+        cuflash.attention(q, q, q, bias=bias)
+
+
+def test_out_overlapping_an_input(cupy):
+    rng = np.random.default_rng(7)
+    q = cupy.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32))
+    expected = cuflash.attention(q.get(), q.get(), q.get())
+    result = cuflash.attention(q, q, q, out=q)  # computed into a scratch array, then copied
+    assert result is q
+    np.testing.assert_allclose(result.get(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_operands_on_another_device_run_there(cupy):
+    rng = np.random.default_rng(8)
+    with cupy.cuda.Device(1):
+        q, k, v = (cupy.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32)) for _ in range(3))
+    assert _State.current == 0
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert out.device.id == lse.device.id == 1 and _State.launches[-1][-1] == 1
+    assert _State.current == 0
+    np.testing.assert_allclose(out.get(), cuflash.attention(q.get(), k.get(), v.get()), rtol=1e-5, atol=1e-6)
+
+
+def test_operands_on_two_devices_are_refused(cupy):
+    q = cupy.asarray(np.zeros((8, 16), np.float32))
+    with cupy.cuda.Device(1):
+        k = cupy.asarray(np.zeros((8, 16), np.float32))
+    with pytest.raises(ValueError, match=r"attention: operands are on different devices"):
+        cuflash.attention(q, k, q)
+
+
+def test_python_m_cuflash_on_the_gpu_path(cupy, capsys):
+    from cuflash import __main__ as demo
+    args = ["--heads", "2", "--n", "96", "--d", "64", "--causal", "--check-rows", "8"]
+    assert demo.main(args) == 0
+    text = capsys.readouterr().out
+    assert "backend: cupy on NVIDIA H100 80GB HBM3" in text and "float16" in text
+
+
+def test_harness_keeps_views_on_the_device(cupy):
+    from harness import on_device, poisoned_out
+    rng = np.random.default_rng(9)
+    for x in (poisoned_out((2, 5, 6), F32, "strided"), poisoned_out((2, 5, 6), F16, "reversed"),
+              make_view(rng, (3, 4, 7), F64, "stride0"), make_view(rng, (3, 4, 7), BF16, "transposed")):
+        moved = on_device(x, cupy.asarray)
+        assert moved.strides == x.strides
+        np.testing.assert_array_equal(moved.get(), x)
