@@ -13,12 +13,13 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = ("fast", "memcheck")
+MODES = ("fast", "memcheck", "race")
 
 _MODE_FLAGS = {
     "fast": ["-O2"],
     # -O1 keeps reports readable and builds quick; frame pointers give ASan's fast unwinder whole stacks.
     "memcheck": ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-DCUFLASH_SIMT_MEMCHECK"],
+    "race": ["-O1", "-g", "-fsanitize=thread", "-fno-omit-frame-pointer", "-DCUFLASH_SIMT_RACE"],
 }
 # Kernels pun types (uint4 loads of halves, float bits as int): g++ must not assume strict aliasing.
 # Hidden visibility and no STB_GNU_UNIQUE keep each module's kernels and statics its own, even when two

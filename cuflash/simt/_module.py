@@ -18,6 +18,15 @@ _ORDERS = {"forward": 0, "reverse": 1}
 
 MEMCHECK_HINT = ("run Python with AddressSanitizer preloaded: "
                  "LD_PRELOAD=$(g++ -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 python ...")
+RACE_HINT = ("run Python with ThreadSanitizer preloaded: LD_PRELOAD=$(g++ -print-file-name=libtsan.so) "
+             "TSAN_OPTIONS='halt_on_error=1 exitcode=66' python ... (the Python executable itself, not a shell "
+             "wrapper such as a pyenv shim); cuflash.simt.sanitizer_env('race') gives that environment")
+# What each sanitizer mode preloads, the options it runs with, and what to say when it is missing.
+_SANITIZERS = {
+    "memcheck": ("libasan", "ASAN_OPTIONS", "detect_leaks=0", "AddressSanitizer", MEMCHECK_HINT),
+    # A race report ends the process at once with exit status 66: it cannot pass unnoticed.
+    "race": ("libtsan", "TSAN_OPTIONS", "halt_on_error=1 exitcode=66", "ThreadSanitizer", RACE_HINT),
+}
 
 
 class LaunchError(RuntimeError):
@@ -52,28 +61,49 @@ def asan_loaded() -> bool:
     return _runtime_loaded("libasan")
 
 
-def libasan_path() -> str | None:
-    """The compiler's AddressSanitizer runtime, or None when it has none."""
+def tsan_loaded() -> bool:
+    """Whether ThreadSanitizer's runtime is in this process (it must be preloaded for race mode)."""
+    return _runtime_loaded("libtsan")
+
+
+def _runtime_path(name: str) -> str | None:
     import subprocess
 
     compiler = _build.compiler()
     if compiler is None:
         return None
     try:
-        path = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+        path = subprocess.run([compiler, f"-print-file-name={name}.so"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return None
     return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
-def memcheck_env(base=None, mode="memcheck") -> dict:
-    """An environment for a child Python that runs kernels under AddressSanitizer: base (default os.environ)
-    with ASan preloaded and, unless mode is None, CUFLASH_SIMT_MODE set. RuntimeError when the compiler has
-    no ASan runtime."""
-    libasan = libasan_path()
-    if libasan is None:
-        raise RuntimeError("the C++ compiler has no AddressSanitizer runtime (libasan.so): memcheck cannot run")
-    env = dict(os.environ if base is None else base, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0")
+def libasan_path() -> str | None:
+    """The compiler's AddressSanitizer runtime, or None when it has none."""
+    return _runtime_path("libasan")
+
+
+def libtsan_path() -> str | None:
+    """The compiler's ThreadSanitizer runtime, or None when it has none."""
+    return _runtime_path("libtsan")
+
+
+def sanitizer_env(sanitizer="memcheck", base=None, mode=...) -> dict:
+    """An environment for a child Python that runs kernels under the sanitizer of mode `sanitizer` ("memcheck":
+    AddressSanitizer, "race": ThreadSanitizer): base (default os.environ) with its runtime preloaded and its
+    options set, and CUFLASH_SIMT_MODE set to `mode` (default: `sanitizer`; None removes it). Start the child
+    with sys.executable: a shell wrapper around Python may not survive the preload. RuntimeError when the
+    compiler has no such runtime."""
+    if sanitizer not in _SANITIZERS:
+        raise ValueError(f"sanitizer must be one of {tuple(_SANITIZERS)}, not {sanitizer!r}")
+    lib, var, options, what, _ = _SANITIZERS[sanitizer]
+    path = _runtime_path(lib)
+    if path is None:
+        raise RuntimeError(f"the C++ compiler has no {what} runtime ({lib}.so): {sanitizer} mode cannot run")
+    env = dict(os.environ if base is None else base, LD_PRELOAD=path)
+    env[var] = options
+    mode = sanitizer if mode is ... else mode
     if mode is None:
         env.pop("CUFLASH_SIMT_MODE", None)
     else:
@@ -81,12 +111,19 @@ def memcheck_env(base=None, mode="memcheck") -> dict:
     return env
 
 
+def memcheck_env(base=None, mode="memcheck") -> dict:
+    """sanitizer_env("memcheck", base, mode): a child Python with AddressSanitizer preloaded."""
+    return sanitizer_env("memcheck", base, mode)
+
+
 def _resolve_mode(mode):
     mode = mode or os.environ.get("CUFLASH_SIMT_MODE") or "fast"
     if mode not in _build.MODES:
         raise ValueError(f"mode must be one of {_build.MODES}, not {mode!r}")
-    if mode == "memcheck" and not asan_loaded():
-        raise RuntimeError(f"memcheck mode needs AddressSanitizer in the process; {MEMCHECK_HINT}")
+    if mode in _SANITIZERS:
+        lib, _, _, what, hint = _SANITIZERS[mode]
+        if not _runtime_loaded(lib):
+            raise RuntimeError(f"{mode} mode needs {what} in the process; {hint}")
     return mode
 
 
@@ -132,8 +169,8 @@ class RawModule:
     """The emulator's twin of ``cupy.RawModule``: the same CUDA C++ source, options and name expressions,
     compiled by g++ for the CPU.
 
-    Beyond CuPy's arguments: ``mode`` ("fast", or "memcheck" with AddressSanitizer; default $CUFLASH_SIMT_MODE
-    or "fast"), ``seed`` (the schedule: "forward", "reverse" or an int for a random
+    Beyond CuPy's arguments: ``mode`` ("fast", "memcheck" with AddressSanitizer or "race" with ThreadSanitizer;
+    default $CUFLASH_SIMT_MODE or "fast"), ``seed`` (the schedule: "forward", "reverse" or an int for a random
     order; default $CUFLASH_SIMT_SEED or "forward"), ``workers`` (OS threads running blocks; default
     $CUFLASH_SIMT_WORKERS or the CPU count), ``max_dynamic_shared`` (the emulated device's per-block limit),
     ``stack_size`` (bytes per CUDA thread) and ``filename`` (the name messages give the source)."""

@@ -2,14 +2,14 @@
 // NVRTC compiles, and runs each CUDA thread as a fiber on the CPU.
 //
 // One block runs its fibers cooperatively on one OS thread; blocks run in parallel on several OS threads
-// (one in the memcheck build). A fiber runs until it blocks: at __syncthreads(), at a warp
+// (one in the memcheck and race builds). A fiber runs until it blocks: at __syncthreads(), at a warp
 // collective (shuffles, votes, mma, ldmatrix ...) or when it exits. The scheduler then picks the next
 // ready fiber in the launch's order (forward, reverse or drawn from a seed). Everything a GPU leaves
 // undefined and that a test should hear about (barrier divergence, a warp collective some lane never
 // reaches, a deadlock, __trap, a failed assert) ends the launch with a message, never a hang or a crash.
 //
-// Build macros (set by the Python side): CUFLASH_SIMT_MEMCHECK (AddressSanitizer build), CUFLASH_SIMT_FTZ (flush
-// float32 denormals, like CuPy's -ftz=true).
+// Build macros (set by the Python side): CUFLASH_SIMT_MEMCHECK (AddressSanitizer build), CUFLASH_SIMT_RACE
+// (ThreadSanitizer build), CUFLASH_SIMT_FTZ (flush float32 denormals, like CuPy's -ftz=true).
 #ifndef CUFLASH_SIMT_H
 #define CUFLASH_SIMT_H
 
@@ -54,12 +54,27 @@
 extern "C" void __asan_report_load_n(void* addr, size_t size);  // ASan's own reporters (not in its public header)
 extern "C" void __asan_report_store_n(void* addr, size_t size);
 #endif
+#if defined(CUFLASH_SIMT_RACE)
+// ThreadSanitizer's fiber and annotation interface (declared here: not every compiler ships its header).
+extern "C" {
+void* __tsan_get_current_fiber(void);
+void* __tsan_create_fiber(unsigned flags);
+void __tsan_destroy_fiber(void* fiber);
+void __tsan_switch_to_fiber(void* fiber, unsigned flags);
+void __tsan_set_fiber_name(void* fiber, const char* name);
+void __tsan_acquire(void* addr);
+void __tsan_release(void* addr);
+void __tsan_ignore_thread_begin(void);
+void __tsan_ignore_thread_end(void);
+void __tsan_read_range(void* addr, unsigned long size);
+}
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // 1. CUDA keywords. __shared__ declarations are rewritten by the Python side (cuflash/simt/_source.py) so
 //    that each block gets fresh, poisoned shared memory; this macro only serves declarations it did not see.
 // ------------------------------------------------------------------------------------------------
-#if defined(CUFLASH_SIMT_MEMCHECK)
+#if defined(CUFLASH_SIMT_MEMCHECK) || defined(CUFLASH_SIMT_RACE)
 #define CUFLASH_SIMT_SHARED static  // one OS thread runs every block; ASan instruments plain statics only
 #else
 #define CUFLASH_SIMT_SHARED static thread_local  // one block per OS thread at a time
@@ -606,6 +621,7 @@ struct Arrival {
   unsigned mask = 0;
   int line = 0;
   void* data = nullptr;
+  void* sync = nullptr;  // race mode: this collective's happens-before object, shared by its lanes
 };
 struct Warp {
   Arrival lane[32];
@@ -634,6 +650,8 @@ struct Fiber {
   char* stack_lo = nullptr;
   size_t stack_size = 0;
   void* fake_stack = nullptr;
+  void* tsan = nullptr;  // race mode: ThreadSanitizer's fiber for this CUDA thread (one per block)
+  int tsan_ignores = 0;  // its ignore count (TSan refuses to destroy a fiber whose count is not 0)
 };
 
 struct Launch {
@@ -650,6 +668,7 @@ struct Launch {
   std::atomic<bool> failed{false};
   std::mutex mu;
   std::string error;
+  void* race_end = nullptr;  // race mode: every fiber releases it at block end; the scheduler acquires it
 };
 
 struct Block {
@@ -669,6 +688,7 @@ struct Block {
   size_t static_bytes = 0;
   bool failed = false;
   std::string error;
+  void* bar_sync = nullptr;  // race mode: the open barrier's happens-before object
 };
 
 struct StackSet;
@@ -683,8 +703,50 @@ struct Worker {
   const void* sched_stack_bottom = nullptr;  // the OS thread's stack, for AddressSanitizer
   size_t sched_stack_size = 0;
   bool sched_stack_known = false;
+  void* tsan_sched = nullptr;  // race mode: ThreadSanitizer's thread of the scheduler (the caller's)
 };
 inline thread_local Worker tl;
+
+// ---- race mode: ThreadSanitizer checks the kernel's own accesses, nothing else ----
+// The runtime's bookkeeping (queues, barrier counters, fiber state), which every fiber touches, runs with the
+// fiber's accesses ignored; a fiber is always inside the runtime when it is switched out, so its ignore count
+// is 1 except while it runs kernel code. Happens-before comes only from what CUDA orders: barriers, warp
+// collectives, atomics (TSan's own), a fiber's creation (after the host wrote the inputs) and the launch's end.
+#if defined(CUFLASH_SIMT_RACE)
+inline void race_ignore_begin() {  // count after ignoring, uncount before ending: the counter is bookkeeping too
+  __tsan_ignore_thread_begin();
+  if (tl.fiber) tl.fiber->tsan_ignores++;
+}
+inline void race_ignore_end() {
+  if (tl.fiber) tl.fiber->tsan_ignores--;
+  __tsan_ignore_thread_end();
+}
+struct RaceRuntimeScope {
+  RaceRuntimeScope() { race_ignore_begin(); }
+  ~RaceRuntimeScope() { race_ignore_end(); }
+};
+#define CUFLASH_SIMT_RUNTIME_SCOPE ::cuflash_simt::RaceRuntimeScope cuflash_simt_runtime_scope_
+// TSan's notion of the running thread follows every stack switch, with no happens-before of its own
+// (flag 1 = __tsan_switch_to_fiber_no_sync): the emulator's switch order is not an ordering CUDA promises.
+inline void race_switch(void* fiber) { __tsan_switch_to_fiber(fiber, 1); }
+// One fresh heap object per barrier or collective episode: free() drops its clock, so no episode inherits
+// another's (acquiring a reused object would order threads that CUDA leaves unordered).
+inline void race_arrive(void*& sync) {
+  if (!sync) sync = std::malloc(1);
+  __tsan_release(sync);
+}
+inline void race_drop(void*& sync) {
+  std::free(sync);
+  sync = nullptr;
+}
+// A memory access the kernel makes through the runtime (ldmatrix's rows, cp.async's copies): checked.
+struct RaceKernelAccess {
+  RaceKernelAccess() { race_ignore_end(); }
+  ~RaceKernelAccess() { race_ignore_begin(); }
+};
+#else
+#define CUFLASH_SIMT_RUNTIME_SCOPE (void)0
+#endif
 
 // ---- messages ----
 inline std::string vformat(const char* fmt, va_list ap) {
@@ -737,6 +799,9 @@ inline void asan_landed(void* fake_save, const void** bottom_old, size_t* size_o
 
 // Switch from the running fiber back to the scheduler; returns if the scheduler ever resumes this fiber.
 inline void to_scheduler(Fiber* f, bool exiting = false) {
+#if defined(CUFLASH_SIMT_RACE)
+  race_switch(tl.tsan_sched);
+#endif
   asan_enter(exiting ? nullptr : &f->fake_stack, tl.sched_stack_bottom, tl.sched_stack_size);
   switch_context(f->ctx, tl.sched);
   asan_landed(f->fake_stack, nullptr, nullptr);
@@ -754,6 +819,7 @@ inline void to_scheduler(Fiber* f, bool exiting = false) {
   std::abort();  // unreachable: the scheduler never resumes a failed block
 }
 [[noreturn]] inline void fail_here(const char* fmt, ...) {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
   va_list ap;
   va_start(ap, fmt);
   std::string what = vformat(fmt, ap);
@@ -804,6 +870,9 @@ inline void switch_away(Fiber* f, bool exiting = false) {
   next->state = RUNNING;
   if (next == f) return;
   tl.fiber = next;
+#if defined(CUFLASH_SIMT_RACE)
+  race_switch(next->tsan);
+#endif
   asan_enter(exiting ? nullptr : &f->fake_stack, next->stack_lo, next->stack_size);
   switch_context(f->ctx, next->ctx);
   asan_landed(f->fake_stack, nullptr, nullptr);
@@ -811,6 +880,7 @@ inline void switch_away(Fiber* f, bool exiting = false) {
 
 // Put the running fiber back in the queue and let the scheduler pick (a scheduling point).
 inline void yield() {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   make_ready(*f->block, f->linear);
   switch_away(f);
@@ -838,6 +908,7 @@ inline std::vector<unsigned> fibers_where(const Block& b, FiberState s) {
 }
 
 inline void barrier_arrive(int line, int vote) {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   Block& b = *f->block;
   if (b.done || (b.at_barrier && line != b.barrier_line)) barrier_misuse(f, line);
@@ -846,9 +917,20 @@ inline void barrier_arrive(int line, int vote) {
   f->state = AT_BARRIER;
   f->line = line;
   f->what = "__syncthreads()";
+#if defined(CUFLASH_SIMT_RACE)
+  race_arrive(b.bar_sync);  // every arriving thread releases ...
+#endif
   if (++b.at_barrier == b.fibers.size()) {  // the last one opens the barrier for all
     b.at_barrier = 0;
     b.bar_result = b.bar_votes;
+#if defined(CUFLASH_SIMT_RACE)
+    for (Fiber& o : b.fibers) {  // ... and every leaving one acquires, all before any of them runs on
+      race_switch(o.tsan);
+      __tsan_acquire(b.bar_sync);
+    }
+    race_switch(f->tsan);
+    race_drop(b.bar_sync);
+#endif
     release_all(b);
   }
   switch_away(f);
@@ -877,13 +959,30 @@ inline Warp& my_warp(Fiber* f) { return f->block->warps[f->linear / 32]; }
   std::abort();
 }
 
+inline bool in_shared(const Block& b, const void* p, size_t n);
 inline void warp_collective(const Collective* op, unsigned mask, void* data, int line) {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   Block& b = *f->block;
   Warp& w = my_warp(f);
   unsigned bit = 1u << f->lane;
   if (!(mask & bit) || (mask & ~w.present) || (mask & w.exited)) collective_misuse(op, mask, line);
-  w.lane[f->lane] = Arrival{op, mask, line, data};
+  void* sync = nullptr;
+#if defined(CUFLASH_SIMT_RACE)
+  // ldmatrix reads 16 bytes of shared memory at each lane's row address (the first member of ptx.cuh's
+  // per-lane record): check it as that lane's read. Bad addresses are left to run_ldmatrix's messages.
+  if (!std::strncmp(op->name, "ldmatrix", 8)) {
+    void* row = *(void* const*)data;
+    if ((uintptr_t)row % 16 == 0 && in_shared(b, row, 16)) {
+      RaceKernelAccess kernel;
+      __tsan_read_range(row, 16);
+    }
+  }
+  for (unsigned l = 0; l < 32 && !sync; l++)  // join the episode lanes already wait in, or open one
+    if (((w.arrived & mask) >> l) & 1 && w.lane[l].op == op && w.lane[l].mask == mask) sync = w.lane[l].sync;
+  race_arrive(sync);
+#endif
+  w.lane[f->lane] = Arrival{op, mask, line, data, sync};
   w.arrived |= bit;
   bool complete = (w.arrived & mask) == mask;
   for (unsigned l = 0; complete && l < 32; l++)
@@ -895,6 +994,16 @@ inline void warp_collective(const Collective* op, unsigned mask, void* data, int
     op->run(lanes, mask);
     w.arrived &= ~mask;
     unsigned base = f->linear & ~31u, others = mask & ~bit;
+#if defined(CUFLASH_SIMT_RACE)
+    for (unsigned l = 0; l < 32; l++)
+      if ((mask >> l) & 1) {
+        race_switch(b.fibers[base + l].tsan);
+        __tsan_acquire(sync);
+        w.lane[l].sync = nullptr;
+      }
+    race_switch(f->tsan);
+    race_drop(sync);
+#endif
     if (b.launch->order == Order::reverse)
       for (unsigned l = 32; l-- > 0;) { if ((others >> l) & 1) make_ready(b, base + l); }
     else
@@ -1012,6 +1121,7 @@ inline bool in_shared(const Block& b, const void* p, size_t n) {
 // Called right after each rewritten static __shared__ declaration: the first thread of a block to get
 // there fills the array with 0xff bytes (NaN for floating types), so reading it before writing shows.
 inline void shared_fresh(const void* p, size_t n, int line) {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
   Block& b = *tl.block;
   for (const auto& s : b.statics)
     if (s.first == p) return;
@@ -1027,6 +1137,7 @@ inline void* dynamic_shared() { return tl.block->dyn; }
 
 // ---- cp.async: a per-thread queue; copies land at the wait that covers their group, not at issue ----
 inline void cp_async(void* dst, const void* src, int size, int src_size, int line) {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   if (!in_shared(*f->block, dst, (size_t)size))
     fail_here("cp.async (line %d): destination %p is not %d bytes of this block's shared memory", line, dst, size);
@@ -1042,15 +1153,22 @@ inline void cp_async(void* dst, const void* src, int size, int src_size, int lin
 #endif
   f->cp_queue.push_back(CpAsync{dst, src, size, src_size, f->cp_committed});
 }
-inline void cp_async_commit() { tl.fiber->cp_committed++; }
+inline void cp_async_commit() {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
+  tl.fiber->cp_committed++;
+}
 // Land every copy committed in a group older than the `pending` most recent ones.
 inline void cp_async_wait(int pending) {
+  CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   std::vector<CpAsync>& q = f->cp_queue;
   size_t keep = 0;
   for (size_t i = 0; i < q.size(); i++) {
     CpAsync& c = q[i];
     if ((long long)c.group < (long long)f->cp_committed - pending) {
+#if defined(CUFLASH_SIMT_RACE)
+      RaceKernelAccess kernel;  // the copy is the waiting thread's access
+#endif
       if (c.src_size) std::memcpy(c.dst, c.src, (size_t)c.src_size);
       if (c.size > c.src_size) std::memset((char*)c.dst + c.src_size, 0, (size_t)(c.size - c.src_size));
     } else {
@@ -1109,8 +1227,14 @@ inline void fiber_main(void* arg) {
     tl.sched_stack_known = true;
   }
   Launch& L = *f->block->launch;
+#if defined(CUFLASH_SIMT_RACE)
+  race_ignore_end();  // created with its count at 1: from here on, the kernel's accesses are checked
+#endif
   try {
     L.entry(L.args);
+#if defined(CUFLASH_SIMT_RACE)
+    race_ignore_begin();
+#endif
   } catch (const std::exception& e) {
     fail_here("a C++ exception escaped the kernel: %s", e.what());
   } catch (...) {
@@ -1245,6 +1369,17 @@ inline void run_block(Block& b, StackSet& stacks) {
     // Stagger the stack tops so that the fibers' hot frames do not all map to the same cache sets.
     size_t stagger = (size_t)i * 448 % 4096;
     f.ctx.init(st.lo, st.size - stagger, &fiber_main, &f);
+#if defined(CUFLASH_SIMT_RACE)
+    // A fresh TSan fiber per CUDA thread and block, ordered after everything the caller and the blocks before
+    // did (creation synchronizes), entered with its accesses ignored (see fiber_main).
+    f.tsan = __tsan_create_fiber(0);
+    __tsan_set_fiber_name(f.tsan, format("CUDA thread (%u,%u,%u) of block (%u,%u,%u)", f.tid.x, f.tid.y, f.tid.z,
+                                         b.idx.x, b.idx.y, b.idx.z).c_str());
+    race_switch(f.tsan);
+    __tsan_ignore_thread_begin();
+    f.tsan_ignores = 1;
+    race_switch(tl.tsan_sched);
+#endif
   }
   release_all(b);
   // Fibers switch among themselves; control comes back here when none is ready or the block failed.
@@ -1260,6 +1395,9 @@ inline void run_block(Block& b, StackSet& stacks) {
     f.state = RUNNING;
     tl.fiber = &f;
     void* fake = nullptr;
+#if defined(CUFLASH_SIMT_RACE)
+    race_switch(f.tsan);
+#endif
     asan_enter(&fake, f.stack_lo, f.stack_size);
     switch_context(tl.sched, f.ctx);
     asan_landed(fake, nullptr, nullptr);
@@ -1273,6 +1411,34 @@ inline void run_block(Block& b, StackSet& stacks) {
     char* lo = sp && sp - 256 > st.lo ? sp - 256 : st.lo;
     if (lo < st.poison_lo) st.poison_lo = lo;
   }
+#endif
+#if defined(CUFLASH_SIMT_RACE)
+  // Whatever the block's threads did (exited or abandoned by a failure) is ordered before the next block and
+  // the launch's return. Blocks that follow one another on the same shared memory, stacks and queues must be
+  // ordered: this TSan offers no way to forget an address's past accesses (its AnnotateNewMemory does not
+  // reset them). The price: races between blocks of one launch go unreported.
+  void* sched = tl.tsan_sched;
+  for (Fiber& f : b.fibers) {
+    int ignores = f.tsan_ignores;  // 1, more if it failed inside the runtime; TSan destroys no fiber that ignores
+    f.tsan_ignores = 0;
+    race_switch(f.tsan);
+    while (ignores-- > 0) __tsan_ignore_thread_end();
+    __tsan_release(L.race_end);  // after the ignores end, so that it also covers this fiber's reads just above
+    race_switch(sched);
+    __tsan_destroy_fiber(f.tsan);
+    f.tsan = nullptr;
+  }
+  race_drop(b.bar_sync);  // episodes a failure left open
+  for (Warp& w : b.warps)
+    for (unsigned l = 0; l < 32; l++) {
+      void* s = w.lane[l].sync;
+      if (!s) continue;
+      for (Warp& v : b.warps)
+        for (Arrival& a : v.lane)
+          if (a.sync == s) a.sync = nullptr;
+      std::free(s);
+    }
+  __tsan_acquire(L.race_end);
 #endif
   tl.fiber = nullptr;
 }
@@ -1320,6 +1486,9 @@ inline void run_worker(Launch& L) {
   b.dyn = (char*)dyn;
   tl.launch = &L;
   tl.block = &b;
+#if defined(CUFLASH_SIMT_RACE)
+  tl.tsan_sched = __tsan_get_current_fiber();
+#endif
   unsigned saved_mxcsr = get_mxcsr();
 #if defined(CUFLASH_SIMT_FTZ)
   set_mxcsr(saved_mxcsr | 0x8040);  // flush denormal results and inputs to zero, like CuPy's -ftz=true
@@ -1353,6 +1522,9 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
                   unsigned long long dyn_bytes, unsigned long long smem_limit, int order,
                   unsigned long long seed, int workers, unsigned long long stack_size, char* err,
                   unsigned long long errlen) {
+#if defined(CUFLASH_SIMT_RACE)
+  CUFLASH_SIMT_RUNTIME_SCOPE;  // the caller's thread schedules; its bookkeeping is not the kernel's
+#endif
   Launch L;
   L.kernel = k.name;
   L.entry = k.entry;
@@ -1366,8 +1538,11 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
   L.order = (Order)order;
   L.seed = seed;
   L.stack_size = stack_size;
-#if defined(CUFLASH_SIMT_MEMCHECK)
-  workers = 1;  // static __shared__ arrays are plain statics in this build
+#if defined(CUFLASH_SIMT_MEMCHECK) || defined(CUFLASH_SIMT_RACE)
+  workers = 1;  // static __shared__ arrays are plain statics in this build (and TSan's fibers are per thread)
+#endif
+#if defined(CUFLASH_SIMT_RACE)
+  L.race_end = std::malloc(1);
 #endif
   install_overflow_handler();
   unsigned long long nw = workers < 1 ? 1 : (unsigned long long)workers;
@@ -1376,6 +1551,10 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
   for (unsigned long long i = 1; i < nw; i++) pool.emplace_back(run_worker, std::ref(L));
   run_worker(L);  // the calling thread is a worker too
   for (std::thread& t : pool) t.join();
+#if defined(CUFLASH_SIMT_RACE)
+  __tsan_acquire(L.race_end);  // the host reads the outputs after every block
+  race_drop(L.race_end);
+#endif
   if (!L.failed) return 0;
   std::snprintf(err, (size_t)errlen, "%s", L.error.c_str());
   return 1;
