@@ -1,0 +1,74 @@
+"""Race mode: the ThreadSanitizer build reports shared-memory races between a block's threads with the kernel's
+lines, and stays silent on correct kernels (reductions, shuffles, mma/ldmatrix/cp.async, the forward kernels).
+
+TSan must be preloaded into Python and ends the process at its first report (exit status 66), so every case runs
+in a child Python (race_child.py) and the parent reads the verdict from its exit status and stderr."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import simt_util
+
+from cuflash import simt
+
+pytestmark = pytest.mark.skipif(not simt.available() or simt.libtsan_path() is None,
+                                reason=str(simt.unavailable_reason() or "the compiler has no libtsan.so"))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import race_child  # noqa: E402  (its kernel source, for the marker lines)
+
+
+def marker_line(marker):
+    for i, line in enumerate(race_child.RACY.splitlines(), 1):
+        if marker in line:
+            return i
+    raise LookupError(marker)
+
+
+def run_child(case):
+    env = simt.sanitizer_env("race", mode=None)
+    env["PYTHONPATH"] = os.pathsep.join([str(simt_util.ROOT), str(HERE), str(simt_util.ROOT / "tests"),
+                                         os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(HERE / "race_child.py"), case], capture_output=True, text=True,
+                          env=env, timeout=900)
+
+
+@pytest.mark.parametrize("case,kernel,current,previous", [
+    # thread 1 reads s[0], which thread 0 wrote with no barrier between
+    ("missing_barrier", "missing_barrier", "RACE_READ", "RACE_WRITE"),
+    # thread 1 overwrites s[1], which thread 0 read after the last barrier
+    ("write_after_read", "write_after_read", "WAR_WRITE", "WAR_READ"),
+])
+def test_race_mode_reports_shared_memory_races_with_the_kernel_lines(case, kernel, current, previous):
+    r = run_child(case)
+    assert r.returncode == 66, r.stdout + r.stderr[-6000:]
+    assert "WARNING: ThreadSanitizer: data race" in r.stderr, r.stderr[-6000:]
+    assert f"SUMMARY: ThreadSanitizer: data race racy.cu:{marker_line(current)} in {kernel}" in r.stderr, r.stderr
+    assert re.search(rf"Previous (write|read) .*\n\s+#0 {kernel} racy\.cu:{marker_line(previous)}\b", r.stderr), \
+        r.stderr
+    assert "'CUDA thread (0,0,0) of block (0,0,0)'" in r.stderr and "'CUDA thread (1,0,0) of block (0,0,0)'" \
+        in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case", ["clean_reductions", "clean_ptx", "clean_attention"])
+def test_race_mode_is_silent_on_correct_kernels(case):
+    r = run_child(case)
+    assert r.returncode == 0 and f"CLEAN {case}" in r.stdout, r.stdout + r.stderr[-6000:]
+
+
+@pytest.mark.skipif(simt.tsan_loaded(), reason="ThreadSanitizer is preloaded here")
+def test_race_mode_refuses_to_run_without_tsan_preloaded():
+    with pytest.raises(RuntimeError, match=r"LD_PRELOAD=\$\(g\+\+ -print-file-name=libtsan\.so\)"):
+        simt.RawModule(code='extern "C" __global__ void k() {}', mode="race")
+
+
+def test_sanitizer_env_keeps_memcheck_env():
+    env = simt.sanitizer_env("race", base={"A": "1"})
+    assert env["LD_PRELOAD"].endswith("libtsan.so") and env["CUFLASH_SIMT_MODE"] == "race"
+    assert "halt_on_error=1" in env["TSAN_OPTIONS"] and "exitcode=66" in env["TSAN_OPTIONS"] and env["A"] == "1"
+    m = simt.memcheck_env(base={}, mode=None)
+    assert m["LD_PRELOAD"].endswith("libasan.so") and "CUFLASH_SIMT_MODE" not in m
