@@ -314,6 +314,19 @@ def choose(workload, device: DeviceLimits) -> BlockConfig:
     return config
 
 
+def block_pair(block) -> Tuple[int, int]:
+    """(Br, Bc) as ints from block=(Br, Bc); ValueError unless both are positive ints."""
+    try:
+        br, bc = block
+    except (TypeError, ValueError):
+        br = bc = None
+    for value in (br, bc):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"attention: block must be a pair (Br, Bc) of positive ints or a cuflash.BlockConfig, "
+                             f"got {block!r}")
+    return int(br), int(bc)
+
+
 def resolve(block, workload, device: DeviceLimits) -> BlockConfig:
     """The configuration to run: the heuristic's for block=None; the heuristic's within one kernel for
     block="mma" or "fma"; else `block` ((Br, Bc), on the tensor-core kernel when it can run them, or a
@@ -330,15 +343,8 @@ def resolve(block, workload, device: DeviceLimits) -> BlockConfig:
     if isinstance(block, BlockConfig):
         config = block
     else:
-        try:
-            br, bc = block
-        except (TypeError, ValueError):
-            raise ValueError(f"attention: block must be (Br, Bc) or a cuflash.BlockConfig, got {block!r}") from None
-        for value in (br, bc):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"attention: block must be a pair (Br, Bc) of positive ints, got {block!r}")
-        config = tensorcore.with_warps(int(br), int(bc), workload, device) or \
-            _warps_for(int(br), int(bc), workload, device)
+        br, bc = block_pair(block)
+        config = tensorcore.with_warps(br, bc, workload, device) or _warps_for(br, bc, workload, device)
     reasons = not_supported_reasons(workload, config, device)
     if reasons:
         raise ValueError(f"attention: block {config} cannot run here: " + "; ".join(reasons))

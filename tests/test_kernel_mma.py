@@ -6,8 +6,6 @@ warp rendezvous on the CPU."""
 
 import os
 import re
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +16,7 @@ import cuflash
 import cuflash.simt
 from cuflash import BlockConfig, DeviceLimits, launch, tensorcore, tiling
 from cuflash.tiling import Workload
-from harness import check_case, problem_and_outputs
+from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
 from strategies import cases
 
@@ -232,9 +230,5 @@ print("memcheck ok")
 @pytest.mark.memcheck
 def test_memcheck_under_address_sanitizer():
     """Out-of-bounds global, shared or cp.async accesses of the tensor-core kernel abort under ASan."""
-    here = os.path.dirname(__file__)
-    env = cuflash.simt.memcheck_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
-    result = subprocess.run([sys.executable, "-c", MEMCHECK_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=900)
+    result = run_under_memcheck(MEMCHECK_SCRIPT)
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]

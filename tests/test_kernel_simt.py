@@ -3,8 +3,6 @@ reference, with NaN-poisoned outputs, over dtypes, head dims, odd lengths, windo
 strided views, block configurations and emulator schedules. Problems stay small: the emulator runs on the CPU."""
 
 import os
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -14,7 +12,7 @@ from hypothesis import given, settings
 import cuflash
 import cuflash.simt
 from cuflash import BlockConfig, launch, tiling
-from harness import check_case, problem_and_outputs
+from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
 from strategies import cases
 
@@ -195,10 +193,6 @@ print("memcheck ok")
 @pytest.mark.memcheck
 def test_memcheck_under_address_sanitizer():
     """A representative subset in the emulator's memcheck mode: out-of-bounds global or shared accesses abort."""
-    here = os.path.dirname(__file__)
-    env = cuflash.simt.memcheck_env()
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
-    result = subprocess.run([sys.executable, "-c", MEMCHECK_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=900)
+    result = run_under_memcheck(MEMCHECK_SCRIPT)
     assert "probe ok" in result.stdout, "memcheck fails on a trivial kernel: " + result.stderr[-4000:]
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from ..tiling import block_pair
+
 ARRAYS = "numpy"
 
 WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
@@ -43,17 +45,10 @@ def tile_sizes(problem, block):
 
 
 def check_block(block):
-    """(Br, Bc) from a pair or a BlockConfig (whose warps and stages mean nothing here)."""
+    """(Br, Bc) from a pair or a BlockConfig (whose warps, stages and variant mean nothing here)."""
     if hasattr(block, "Br") and hasattr(block, "Bc"):
-        block = (block.Br, block.Bc)
-    try:
-        br, bc = block
-    except (TypeError, ValueError):
-        raise ValueError(f"attention: block must be a pair (Br, Bc) of positive ints, got {block!r}") from None
-    for value in (br, bc):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"attention: block must be a pair (Br, Bc) of positive ints, got {block!r}")
-    return int(br), int(bc)
+        return block.Br, block.Bc
+    return block_pair(block)
 
 
 def row_tiles(batch, n, rows_per_step):
