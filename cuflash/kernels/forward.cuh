@@ -38,6 +38,25 @@ struct ForwardShared {
 // The bias comes in the accumulator type (the launch casts the un-broadcast original once).
 enum ForwardFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32 };
 
+// What a block of either forward kernel reads of the launch for its batch item b: every operand's base offset and
+// strides (references into the geometry table, read where used), the diagonal offset m - n (bottom-right aligned)
+// and which optional operands exist. Each kernel returns for b >= g.batch_count first: such a b has no offsets.
+struct BlockOperands {
+    BatchOffsets base;
+    const OperandStrides &q, &k, &v, &mask, &bias, &out, &lse;
+    long long offset;
+    bool has_mask, has_bias;
+};
+
+// The launch spreads the batch over gridDim.y x gridDim.z.
+__device__ __forceinline__ long long batch_item() { return blockIdx.y + (long long)gridDim.y * blockIdx.z; }
+
+__device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long long b, long long n, long long m,
+                                                        int flags) {
+    return {batch_offsets(g, b), g.op[kQ], g.op[kK], g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse],
+            m - n, (flags & kHasMask) != 0, (flags & kHasBias) != 0};
+}
+
 // In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,
 // so a NaN or inf in a hidden value row never reaches the output through 0 * inf.
 template <typename A> __device__ __forceinline__ A hidden_p() { return A(-1); }
@@ -80,23 +99,16 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     Acc* P_s = reinterpret_cast<Acc*>(smem + Smem::p_offset);
 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
-    const long long b = blockIdx.y + (long long)gridDim.y * blockIdx.z;
+    const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BatchOffsets base = batch_offsets(g, b);
-    const OperandStrides& qs = g.op[kQ];
-    const OperandStrides& ks = g.op[kK];
-    const OperandStrides& vs = g.op[kV];
-    const OperandStrides& ms = g.op[kMask];
-    const OperandStrides& bs = g.op[kBias];
-    const long long offset = m - n;
-    const bool has_mask = flags & kHasMask, has_bias = flags & kHasBias;
+    const BlockOperands ops = block_operands(g, b, n, m, flags);
 
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
     const long long i0 = (long long)blockIdx.x * Br;
     const int rows = (int)min_ll(Br, n - i0);
 
-    load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q + base.of[kQ] + i0 * qs.row, qs.row, qs.col, rows, (int)d,
-                                            flags & kVectorQ);
+    load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
+                                            (int)d, flags & kVectorQ);
 
     Acc m_i[RPT], l_i[RPT], O_i[RPT][EPT];
 #pragma unroll
@@ -107,19 +119,19 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         for (int c = 0; c < EPT; ++c) O_i[a][c] = Acc(0);
     }
 
-    const KeyRange keys = key_range(i0, i0 + rows, m, offset, left, right);
+    const KeyRange keys = key_range(i0, i0 + rows, m, ops.offset, left, right);
     for (long long j0 = keys.begin; j0 < keys.end; j0 += Bc) {
         const int cols = (int)min_ll(Bc, keys.end - j0);
         __syncthreads();  // the previous tile's K, V and P are no longer read
-        load_tile<T, Bc, D, Smem::LDK, Threads>(K_s, k + base.of[kK] + j0 * ks.row, ks.row, ks.col, cols, (int)d,
-                                                flags & kVectorK);
-        load_tile<T, Bc, E, Smem::LDV, Threads>(V_s, v + base.of[kV] + j0 * vs.row, vs.row, vs.col, cols, (int)e,
-                                                flags & kVectorV);
+        load_tile<T, Bc, D, Smem::LDK, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
+                                                cols, (int)d, flags & kVectorK);
+        load_tile<T, Bc, E, Smem::LDV, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
+                                                cols, (int)e, flags & kVectorV);
         __syncthreads();
 
         // Only tiles that straddle the window, carry a mask or end early pay for per-element visibility.
-        const bool partial = has_mask || cols < Bc ||
-                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, offset, left, right);
+        const bool partial = ops.has_mask || cols < Bc ||
+                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
 
         // S_ij = q_i . k_j, in the log2 domain: scale * log2(e) is folded into one multiplier.
         Acc S[RPT][CPT];
@@ -152,11 +164,13 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 const long long j = j0 + jj;
                 bool visible = i < n;  // rows past n (the last tile's tail) are computed but never stored
                 if (partial) {
-                    visible = visible && jj < cols && j >= i + offset - left && j <= i + offset + right;
-                    if (visible && has_mask) visible = mask[base.of[kMask] + i * ms.row + j * ms.col];
+                    visible = visible && jj < cols && j >= i + ops.offset - left && j <= i + ops.offset + right;
+                    if (visible && ops.has_mask)
+                        visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
                 }
                 Acc s = S[a][c] * scale_log2;
-                if (visible && has_bias) s += bias[base.of[kBias] + i * bs.row + j * bs.col] * kLog2e;
+                if (visible && ops.has_bias)
+                    s += bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col] * kLog2e;
                 S[a][c] = visible ? s : -infinity<Acc>();
                 if (!visible) hidden[a] |= 1u << c;
             }
@@ -204,8 +218,6 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     }
 
     // O_i / l_i and lse = ln(sum of exp) = (m_i + log2 l_i) * ln 2; a row that saw no key gives 0 and -inf.
-    const OperandStrides& os = g.op[kOut];
-    const OperandStrides& ls = g.op[kLse];
 #pragma unroll
     for (int a = 0; a < RPT; ++a) {
         const int r = ty * RPT + a;
@@ -216,11 +228,12 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         for (int c = 0; c < EPT; ++c) {
             const int col = tx + TC * c;
             if (col < e)
-                out[base.of[kOut] + i * os.row + col * os.col] =
+                out[ops.base.of[kOut] + i * ops.out.row + col * ops.out.col] =
                     from_acc<T>(nothing_visible ? Acc(0) : O_i[a][c] / l_i[a]);
         }
         if ((flags & kWantLse) && tx == 0)
-            lse[base.of[kLse] + i * ls.row] = nothing_visible ? -infinity<Acc>() : (m_i[a] + log2_(l_i[a])) * kLn2;
+            lse[ops.base.of[kLse] + i * ops.lse.row] =
+                nothing_visible ? -infinity<Acc>() : (m_i[a] + log2_(l_i[a])) * kLn2;
     }
 }
 

@@ -69,22 +69,15 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     T* P_s = reinterpret_cast<T*>(smem + Smem::p_offset);
 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
-    const long long b = blockIdx.y + (long long)gridDim.y * blockIdx.z;
+    const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BatchOffsets base = batch_offsets(g, b);
-    const OperandStrides& qs = g.op[kQ];
-    const OperandStrides& ks = g.op[kK];
-    const OperandStrides& vs = g.op[kV];
-    const OperandStrides& ms = g.op[kMask];
-    const OperandStrides& bs = g.op[kBias];
-    const long long offset = m - n;
-    const bool has_mask = flags & kHasMask, has_bias = flags & kHasBias;
+    const BlockOperands ops = block_operands(g, b, n, m, flags);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // first row of this warp's m16 tiles within Q_i
     const long long i0 = (long long)blockIdx.x * Br;
     const int rows = (int)min_ll(Br, n - i0);
-    const KeyRange keys = key_range(i0, i0 + rows, m, offset, left, right);
+    const KeyRange keys = key_range(i0, i0 + rows, m, ops.offset, left, right);
     const int tiles = (int)((keys.end - keys.begin + Bc - 1) / Bc);
 
     // K_j and V_j of key tile `tile` into pipeline stage tile % Stages.
@@ -92,15 +85,15 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const long long j0 = keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, keys.end - j0);
         const int stage = tile % Stages;
-        mma::load_tile_async<T, Bc, D, Threads>(K_s + stage * Bc * Smem::LDK, k + base.of[kK] + j0 * ks.row,
-                                                ks.row, ks.col, cols, (int)d, flags & kVectorK);
-        mma::load_tile_async<T, Bc, E, Threads>(V_s + stage * Bc * Smem::LDV, v + base.of[kV] + j0 * vs.row,
-                                                vs.row, vs.col, cols, (int)e, flags & kVectorV);
+        mma::load_tile_async<T, Bc, D, Threads>(K_s + stage * Bc * Smem::LDK, k + ops.base.of[kK] + j0 * ops.k.row,
+                                                ops.k.row, ops.k.col, cols, (int)d, flags & kVectorK);
+        mma::load_tile_async<T, Bc, E, Threads>(V_s + stage * Bc * Smem::LDV, v + ops.base.of[kV] + j0 * ops.v.row,
+                                                ops.v.row, ops.v.col, cols, (int)e, flags & kVectorV);
     };
 
     // Q_i is the first cp.async group, the first Stages - 1 key tiles the next ones.
-    mma::load_tile_async<T, Br, D, Threads>(Q_s, q + base.of[kQ] + i0 * qs.row, qs.row, qs.col, rows, (int)d,
-                                            flags & kVectorQ);
+    mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
+                                            (int)d, flags & kVectorQ);
     ptx::cp_async_commit();
 #pragma unroll
     for (int s = 0; s < Stages - 1; ++s) {
@@ -183,8 +176,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         // Scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and their bits
         // are kept for the rare CUDA-core P V. Only tiles that straddle the window, carry a mask or end early
         // pay for per-element visibility.
-        const bool partial = has_mask || cols < Bc ||
-                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, offset, left, right);
+        const bool partial = ops.has_mask || cols < Bc ||
+                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
         unsigned hidden[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -200,11 +193,14 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                         const long long j = j0 + jj;
                         bool visible = i < n;  // rows past n are computed but never stored
                         if (partial) {
-                            visible = visible && jj < cols && j >= i + offset - left && j <= i + offset + right;
-                            if (visible && has_mask) visible = mask[base.of[kMask] + i * ms.row + j * ms.col];
+                            visible = visible && jj < cols && j >= i + ops.offset - left &&
+                                      j <= i + ops.offset + right;
+                            if (visible && ops.has_mask)
+                                visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
                         }
                         float s = S[mt][nt][2 * h + x] * scale_log2;
-                        if (visible && has_bias) s += bias[base.of[kBias] + i * bs.row + j * bs.col] * kLog2e;
+                        if (visible && ops.has_bias)
+                            s += bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col] * kLog2e;
                         S[mt][nt][2 * h + x] = visible ? s : -infinity<float>();
                         if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
                     }
@@ -274,8 +270,6 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     __syncthreads();  // every warp is done with Q_s (and P_s): O_s takes their place
 
     // O_i / l_i into the staging tile, and lse = (m_i + log2 l_i) ln 2; a row that saw no key gives 0 and -inf.
-    const OperandStrides& os = g.op[kOut];
-    const OperandStrides& ls = g.op[kLse];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -289,11 +283,12 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 *reinterpret_cast<unsigned*>(O_s + r * Smem::LDO + 8 * et + 2 * quad_col) =
                     mma::pack2(O_i[mt][et][2 * h] * inv_l, O_i[mt][et][2 * h + 1] * inv_l, tag);
             if ((flags & kWantLse) && quad_col == 0 && r < rows)
-                lse[base.of[kLse] + (i0 + r) * ls.row] =
+                lse[ops.base.of[kLse] + (i0 + r) * ops.lse.row] =
                     nothing_visible ? -infinity<float>() : (m_i[mt][h] + log2f(l)) * kLn2;
         }
     __syncthreads();
-    mma::store_tile<T, Br, E, Threads>(out + base.of[kOut] + i0 * os.row, os.row, os.col, O_s, rows, (int)e);
+    mma::store_tile<T, Br, E, Threads>(out + ops.base.of[kOut] + i0 * ops.out.row, ops.out.row, ops.out.col, O_s,
+                                       rows, (int)e);
 }
 
 }  // namespace cuflash
