@@ -7,20 +7,22 @@ include_dirs(); tests/test_compile.py and bench/compile_report.py use compile_re
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import launch
 
 STD = "--std=c++17"
 
 
-def include_dirs() -> List[str]:
+@functools.lru_cache(maxsize=None)
+def include_dirs() -> Tuple[str, ...]:
     """Directories holding cuda_fp16.h and cuda_bf16.h, which CuPy does not ship: the CUDA runtime wheel
     (nvidia-cuda-runtime-cu12's nvidia/cuda_runtime/include, or CUDA 13's nvidia/cu13/include), else the
-    toolkit CuPy found."""
+    toolkit CuPy found. Searched once per process: every cupy-backend call asks."""
     found = []
     try:
         import nvidia
@@ -42,7 +44,7 @@ def include_dirs() -> List[str]:
             if os.path.isfile(os.path.join(path, "cuda_fp16.h")):
                 found.append(path)
                 break
-    return found
+    return tuple(found)
 
 
 def options(arch: Optional[str] = None) -> List[str]:

@@ -8,7 +8,6 @@ kernel's attributes are checked: a spill to local memory in a configuration the 
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 from .. import launch, nvrtc, tiling
@@ -63,17 +62,10 @@ def run(problem, out, lse, block=None):
         launch.run(problem, out, lse, config, get_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _options() -> tuple:
-    """NVRTC options, once per process (include_dirs() searches the file system). No -arch: CuPy appends the
-    current device's, and NVRTC refuses a second one."""
-    return tuple(nvrtc.options())
-
-
 def kernel(device_id: int, name: str, shared_mem: int, limits, check_spills=True):
     import cupy
 
-    options = _options()
+    options = tuple(nvrtc.options())  # no -arch: CuPy appends the current device's, and NVRTC refuses a second
     key = (device_id, options, name)
     function = _functions.get(key)
     if function is None:
