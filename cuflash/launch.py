@@ -20,6 +20,7 @@ C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
 MAX_BATCH_DIMS = 6  # kMaxBatchDims in tile.cuh
 OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")  # the Operand enum's order
 MAX_GRID_Y = 65535
+RESIDENT_LIMIT = 256  # device copies of geometry tables and placeholders kept per process
 
 # ForwardFlags in forward.cuh
 VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE = 1, 2, 4, 8, 16, 32
@@ -168,12 +169,12 @@ def _launch(problem, operands, shape, batch_strides, config, xp, acc) -> Launch:
     if lse is not None:
         flags |= WANT_LSE
     # Absent optional operands are passed as one-element arrays: never read, typed like the real thing.
-    mask = mask if mask is not None else xp.zeros(1, dtype=np.bool_)
-    bias = bias if bias is not None else xp.zeros(1, dtype=acc)
-    lse = lse if lse is not None else xp.zeros(1, dtype=acc)
+    mask = mask if mask is not None else placeholder(xp, np.bool_)
+    bias = bias if bias is not None else placeholder(xp, acc)
+    lse = lse if lse is not None else placeholder(xp, acc)
     left, right = window_reach(problem)
     scale_log2 = acc.type(problem.scale * math.log2(math.e))
-    args = (q, k, v, mask, bias, out, lse, xp.asarray(table),
+    args = (q, k, v, mask, bias, out, lse, resident(xp, table),
             np.int64(problem.n), np.int64(problem.m), np.int64(problem.d), np.int64(problem.e),
             scale_log2, np.int64(left), np.int64(right), np.int32(flags))
     tiles = -(-problem.n // config.Br)
@@ -181,6 +182,34 @@ def _launch(problem, operands, shape, batch_strides, config, xp, acc) -> Launch:
     grid = (tiles, grid_y, -(-batch_count // grid_y))
     return Launch(kernel_name(problem, config), grid, (config.threads, 1, 1),
                   shared_memory_bytes(problem, config), args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Small constant arrays kept on the device
+
+
+_resident = {}  # (device id, dtype, bytes) -> device array holding those bytes
+
+
+def resident(xp, host: np.ndarray):
+    """`host` as an array of xp. On a GPU it is copied once per device and kept: a loop of calls with the same shapes
+    then makes no host-to-device copy (which would block the host) and no allocation per call."""
+    if xp is np:
+        return host
+    key = (xp.cuda.Device().id, host.dtype.str, host.tobytes())
+    array = _resident.get(key)
+    if array is None:
+        if len(_resident) >= RESIDENT_LIMIT:
+            _resident.pop(next(iter(_resident)))  # the oldest; its memory returns to the pool in stream order
+        array = _resident[key] = xp.asarray(host)
+        # The copy runs on the current stream; a later call may launch on another one, so it must have landed.
+        xp.cuda.get_current_stream().synchronize()
+    return array
+
+
+def placeholder(xp, dtype):
+    """A one-element array standing in for an absent optional operand (the kernel never reads it)."""
+    return resident(xp, np.zeros(1, dtype=dtype))
 
 
 def run(problem, out, lse, config: BlockConfig, get_kernel: Callable[[str, int], Any]) -> None:

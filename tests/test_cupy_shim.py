@@ -23,7 +23,7 @@ import pytest
 
 import cuflash
 import cuflash.simt
-from cuflash import api, tiling
+from cuflash import api, launch, tiling
 from cuflash.backends import cupy as cupy_backend
 from harness import check_case
 from strategies import Case, make_view
@@ -42,6 +42,8 @@ class _State:
     current = 0  # the current device (cudaGetDevice)
     bfloat16 = True  # whether this "CuPy" computes in bfloat16 (CuPy 14 does; 13 does not)
     launches = []  # (name, grid, block, shared_mem, device) of every kernel launch
+    host_copies = 0  # host-to-device copies (asarray of host data)
+    allocations = 0  # arrays made on the device (empty, zeros, host copies)
 
 
 class MemoryPointer:
@@ -167,6 +169,8 @@ def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
     host = np.array(a, dtype=dtype, order="C" if order is None else order, copy=True)
     _bf16_check(host.dtype)
+    _State.host_copies += 1
+    _State.allocations += 1
     return ndarray(host, _State.current)
 
 
@@ -175,11 +179,13 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
 
 
 def empty(shape, dtype=float, order="C"):
+    _State.allocations += 1
     return ndarray(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0, dtype=dtype, order=order),
                    _State.current)  # NaN: what was never written shows
 
 
 def zeros(shape, dtype=float, order="C"):
+    _State.allocations += 1
     return ndarray(np.zeros(shape, dtype=dtype, order=order), _State.current)
 
 
@@ -234,6 +240,9 @@ class Stream:
     def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
         self.ptr = 0 if null else id(self)
         self.device_id = _State.current
+
+    def synchronize(self):
+        pass
 
 
 Stream.null = Stream(null=True)
@@ -372,6 +381,7 @@ def cupy(monkeypatch):
     # What caches the real CuPy's objects: compiled functions and device limits, and the bfloat16 probe.
     monkeypatch.setattr(cupy_backend, "_functions", {})
     monkeypatch.setattr(cupy_backend, "_limits", {})
+    monkeypatch.setattr(launch, "_resident", {})
     api.cupy_bfloat16_problem.cache_clear()
     monkeypatch.setattr(_State, "current", 0)
     monkeypatch.setattr(_State, "bfloat16", True)
@@ -460,6 +470,24 @@ def test_out_overlapping_an_input(cupy):
     result = cuflash.attention(q, q, q, out=q)  # computed into a scratch array, then copied
     assert result is q
     np.testing.assert_allclose(result.get(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_repeated_calls_copy_nothing_to_the_device(cupy):
+    """The launch's geometry table and the placeholders of absent operands are made once per device: a loop of
+    calls with the same shapes neither blocks on a host-to-device copy nor allocates beyond its own output."""
+    rng = np.random.default_rng(3)
+    q, k, v = (cupy.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32)) for _ in range(3))
+    first = cuflash.attention(q, k, v)
+    copies, allocations = _State.host_copies, _State.allocations
+    again = cuflash.attention(q, k, v)
+    assert (_State.host_copies - copies, _State.allocations - allocations) == (0, 1)  # the new output alone
+    np.testing.assert_array_equal(again.get(), first.get())
+    with cupy.cuda.Device(1):  # another device gets its own copies
+        q1, k1, v1 = (cupy.asarray(x.get()) for x in (q, k, v))
+        copies = _State.host_copies
+        np.testing.assert_array_equal(cuflash.attention(q1, k1, v1).get(), first.get())
+        assert _State.host_copies - copies >= 1
+    assert all(array.device.id == device for (device, *_), array in launch._resident.items())
 
 
 def test_operands_on_another_device_run_there(cupy):
