@@ -4,7 +4,8 @@ tensor cores (HMMA), ldmatrix (LDSM) and cp.async (LDGSTS), and must not touch l
 register arrays indexed at run time). The shared-memory model is checked against the kernel's own layout, and a
 table of registers and shared memory per configuration is printed (pytest -s shows it).
 
-Needs NVRTC (nvidia-cuda-nvrtc-cu12) and cuobjdump (nvidia-cuda-cuobjdump); skips when they are missing."""
+Needs NVRTC (nvidia-cuda-nvrtc-cu12), cuobjdump and nvdisasm (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm); skips
+when they are missing."""
 
 from __future__ import annotations
 
@@ -29,18 +30,19 @@ GPUS = {"sm_80": DeviceLimits.known("A100"), "sm_90": DeviceLimits.known("H200")
 
 
 def cuobjdump():
-    """The cuobjdump executable: on PATH, or from the nvidia-cuda-cuobjdump wheel."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
+    """The cuobjdump executable: on PATH, or from the nvidia-cuda-cuobjdump wheel; None unless nvdisasm (which
+    cuobjdump 13 runs for -sass) sits beside it or on PATH."""
+    candidates = [shutil.which("cuobjdump")]
     try:
         import nvidia
+        candidates += [path for root in nvidia.__path__
+                       for path in sorted(glob.glob(os.path.join(root, "*", "bin", "cuobjdump")))]
     except ImportError:
-        return None
-    for root in nvidia.__path__:
-        for path in sorted(glob.glob(os.path.join(root, "*", "bin", "cuobjdump"))):
-            if os.access(path, os.X_OK):
-                return path
+        pass
+    for path in filter(None, candidates):
+        beside = os.path.join(os.path.dirname(path), "nvdisasm")
+        if os.access(path, os.X_OK) and (os.access(beside, os.X_OK) or shutil.which("nvdisasm")):
+            return path
     return None
 
 
@@ -55,7 +57,8 @@ def nvrtc_unavailable():
 
 pytestmark = [
     pytest.mark.skipif(nvrtc_unavailable() is not None, reason=str(nvrtc_unavailable())),
-    pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump is missing: pip install nvidia-cuda-cuobjdump"),
+    pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump or nvdisasm is missing: "
+                       "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"),
 ]
 
 
