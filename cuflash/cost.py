@@ -217,6 +217,7 @@ class _TileWalk:
     key_rows: int  # sum over query tiles of the rows of the key tiles they visit
     tile_elems: int  # sum over query tiles of (query rows) x (key rows visited)
     distinct_key_rows: int  # key rows visited by at least one query tile
+    query_rows_per_tile: int  # sum over query tiles of (query rows) x (key tiles visited)
 
 
 def _tile_walk(n: int, m: int, Br: int, Bc: int, causal: bool, window: Window) -> _TileWalk:
@@ -237,30 +238,38 @@ def _tile_walk(n: int, m: int, Br: int, Bc: int, causal: bool, window: Window) -
     j0 = (first_key // Bc) * Bc  # first key row of the first tile visited
     j1 = np.minimum((last_key // Bc + 1) * Bc, m)  # one past the last tile's rows
     rows = np.where(seen, j1 - j0, 0)
+    key_tiles = np.where(seen, last_key // Bc - first_key // Bc + 1, 0)
     distinct = int(j1[seen].max() - j0[seen].min()) if seen.any() else 0
-    return _TileWalk(int(rows.sum()), int((rows * (i1 - i0)).sum()), distinct)
+    return _TileWalk(int(rows.sum()), int((rows * (i1 - i0)).sum()), distinct, int((key_tiles * (i1 - i0)).sum()))
 
 
 def kernel_traffic(batch: int, n: int, m: int, d: int, e: Optional[int] = None, *, itemsize: int = 2,
                    Br: int = 128, Bc: int = 64, causal: bool = False, window: Window = None,
-                   lse: bool = True, mask_itemsize: int = 0, bias_itemsize: int = 0) -> Traffic:
+                   lse: bool = True, mask_itemsize: int = 0, bias_itemsize: int = 0,
+                   d_slice: Optional[int] = None, e_block: Optional[int] = None) -> Traffic:
     """What our forward kernel loads and stores for `batch` problems tiled Br x Bc.
 
     Q is loaded and O stored once; each query tile loads the K and V tiles it visits (ceil(n/Br) passes
     when nothing is masked by causal/window) and the mask and bias elements of those tiles (itemsize 0: no
     such operand). Broadcast operands are loaded by every batch element all the same; repeated loads may
     hit L2, so real DRAM traffic lies between compulsory_traffic and this.
+
+    Head dimensions past the CUDA-core kernel's tiles (d_slice, e_block: its D and E; None: no limit): a d above
+    d_slice reloads Q with every key tile visited, and an e above e_block takes ceil(e / e_block) launches, each
+    loading Q, K, mask and bias again (V and O are split between them, lse is written by the first).
     """
     e = d if e is None else e
     walk = _tile_walk(n, m, Br, Bc, causal, window)
+    blocks = -(-e // e_block) if e_block and e > e_block else 1
+    q_rows = walk.query_rows_per_tile if d_slice and d > d_slice else n
     return Traffic(
-        q=batch * n * d * itemsize,
-        k=batch * walk.key_rows * d * itemsize,
+        q=blocks * batch * q_rows * d * itemsize,
+        k=blocks * batch * walk.key_rows * d * itemsize,
         v=batch * walk.key_rows * e * itemsize,
         o=batch * n * e * itemsize,
         lse=batch * n * 4 if lse else 0,
-        mask=batch * walk.tile_elems * mask_itemsize,
-        bias=batch * walk.tile_elems * bias_itemsize,
+        mask=blocks * batch * walk.tile_elems * mask_itemsize,
+        bias=blocks * batch * walk.tile_elems * bias_itemsize,
     )
 
 

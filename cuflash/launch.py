@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from . import kernels
-from .tiling import BlockConfig, bucket
+from .tiling import BlockConfig, fma_buckets
 
 C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
 MAX_BATCH_DIMS = 6  # kMaxBatchDims in tile.cuh
@@ -39,8 +39,15 @@ def kernel_name(workload, config: BlockConfig) -> str:
         from . import tensorcore
         return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
                 f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
-    return (f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {bucket(workload.d)}, {bucket(workload.e)}, "
-            f"{config.warps}>")
+    D, E = fma_buckets(workload)
+    return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}>"
+
+
+def column_blocks(workload, config: BlockConfig) -> List[Tuple[int, int]]:
+    """The [e0, e1) column blocks of the output, one launch each: all of e, unless e is wider than the E the
+    CUDA-core instantiation holds in registers (each block then recomputes the scores; cost scales with e / E)."""
+    E = fma_buckets(workload)[1] if config.variant == "fma" else workload.e
+    return [(e0, min(workload.e, e0 + E)) for e0 in range(0, workload.e, E)] or [(0, 0)]
 
 
 @dataclass
@@ -118,19 +125,28 @@ def window_reach(problem) -> Tuple[int, int]:
 
 
 def launches(problem, out, lse, config: BlockConfig) -> List[Launch]:
-    """The kernel launches that compute problem into out (and lse when not None) with config: one, unless the
-    batch has more dims than the kernel takes after coalescing (then one per index of the leading dims)."""
+    """The kernel launches that compute problem into out (and lse when not None) with config: one per column block
+    of e (column_blocks; the first also writes lse), times one per index of the leading batch dims when the batch
+    has more dims than the kernel takes after coalescing."""
+    bias = None if problem.bias is None else bias_operand(problem)
+    result = []
+    for index, (e0, e1) in enumerate(column_blocks(problem, config)):
+        operands = [problem.q, problem.k, problem.v[..., e0:e1], problem.mask, bias, out[..., e0:e1],
+                    lse if index == 0 else None]
+        result += _batch_launches(problem, operands, e1 - e0, config)
+    return result
+
+
+def _batch_launches(problem, operands, e, config: BlockConfig) -> List[Launch]:
     xp = problem.xp
     acc = problem.acc_dtype
-    operands = [problem.q, problem.k, problem.v, problem.mask,
-                None if problem.bias is None else bias_operand(problem), out, lse]
     # Operands whose byte strides are not whole elements (exotic views) are copied once.
     operands = [x if x is None or element_strides(x) is not None else xp.ascontiguousarray(x) for x in operands]
     nb = len(problem.batch)
     strides = [element_strides(x)[:nb] if x is not None else (0,) * nb for x in operands]
     shape, batch_strides = coalesce(problem.batch, strides)
     if len(shape) <= MAX_BATCH_DIMS:
-        return [_launch(problem, operands, shape, batch_strides, config, xp, acc)]
+        return [_launch(problem, operands, shape, batch_strides, e, config, xp, acc)]
     # Too many batch dims: launch per index of the leading ones, on views.
     lead = len(problem.batch) - MAX_BATCH_DIMS
     result = []
@@ -138,11 +154,11 @@ def launches(problem, out, lse, config: BlockConfig) -> List[Launch]:
         views = [None if x is None else x[index] for x in operands]
         sub = [element_strides(x)[:MAX_BATCH_DIMS] if x is not None else (0,) * MAX_BATCH_DIMS for x in views]
         sub_shape, sub_strides = coalesce(problem.batch[lead:], sub)
-        result.append(_launch(problem, views, sub_shape, sub_strides, config, xp, acc))
+        result.append(_launch(problem, views, sub_shape, sub_strides, e, config, xp, acc))
     return result
 
 
-def _launch(problem, operands, shape, batch_strides, config, xp, acc) -> Launch:
+def _launch(problem, operands, shape, batch_strides, e, config, xp, acc) -> Launch:
     from .tiling import shared_memory_bytes
 
     q, k, v, mask, bias, out, lse = operands
@@ -175,7 +191,7 @@ def _launch(problem, operands, shape, batch_strides, config, xp, acc) -> Launch:
     left, right = window_reach(problem)
     scale_log2 = acc.type(problem.scale * math.log2(math.e))
     args = (q, k, v, mask, bias, out, lse, resident(xp, table),
-            np.int64(problem.n), np.int64(problem.m), np.int64(problem.d), np.int64(problem.e),
+            np.int64(problem.n), np.int64(problem.m), np.int64(problem.d), np.int64(e),
             scale_log2, np.int64(left), np.int64(right), np.int32(flags))
     tiles = -(-problem.n // config.Br)
     grid_y = max(1, min(batch_count, MAX_GRID_Y))

@@ -19,7 +19,7 @@ KiB = 1024
 
 LANES_PER_ROW = 16  # TC in the kernel: lanes that share a row group
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)  # D and E instantiations; the actual d, e are run-time values
-MAX_HEAD_DIM = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
+MAX_BUCKET = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
 ACC_REGISTER_LIMIT = 96  # accumulator words per thread (S, O) above which ptxas runs out of registers (255)
 ACC_REGISTER_TARGET = 64  # what the heuristic allows itself, leaving room for addresses and staging
 MAX_TILE = 256
@@ -157,6 +157,13 @@ def bucket(size: int) -> int:
     raise ValueError(f"head dimension {size} is above the largest bucket {HEAD_DIM_BUCKETS[-1]}")
 
 
+def fma_buckets(workload) -> Tuple[int, int]:
+    """(D, E) of the CUDA-core instantiation serving workload. Head dimensions past the dtype's largest bucket are
+    served in pieces: the kernel sweeps d in D-wide slices, and the launch splits e into E-wide column blocks."""
+    limit = MAX_BUCKET[np.dtype(workload.dtype).name]
+    return bucket(min(workload.d, limit)), bucket(min(workload.e, limit))
+
+
 def _align16(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
 
@@ -168,7 +175,7 @@ def shared_memory_bytes(workload, config: BlockConfig) -> int:
         return tensorcore.shared_memory_bytes(workload, config)
     item = np.dtype(workload.dtype).itemsize
     acc = acc_dtype_of(workload.dtype).itemsize
-    D, E = bucket(workload.d), bucket(workload.e)
+    D, E = fma_buckets(workload)
     pad = 4 // item if item < 4 else 1
     q = _align16(item * config.Br * (D + pad))
     k = _align16(item * config.Bc * (D + pad))
@@ -182,7 +189,7 @@ def accumulator_words(workload, config: BlockConfig) -> int:
     if config.variant == "mma":
         return tensorcore.accumulator_words(workload, config)
     rows = config.Br // max(1, config.row_groups)
-    cols = config.Bc // LANES_PER_ROW + bucket(workload.e) // LANES_PER_ROW
+    cols = config.Bc // LANES_PER_ROW + fma_buckets(workload)[1] // LANES_PER_ROW
     return rows * cols * (acc_dtype_of(workload.dtype).itemsize // 4)
 
 
@@ -234,18 +241,11 @@ def _shape_reasons(config: BlockConfig) -> List[str]:
     return reasons
 
 
-def _head_dim_reasons(workload) -> List[str]:
+def _dtype_reasons(workload) -> List[str]:
     dtype = np.dtype(workload.dtype)
-    limit = MAX_HEAD_DIM.get(dtype.name)
-    if limit is None:
+    if dtype.name not in MAX_BUCKET:
         return [f"dtype {dtype.name} is not supported by the kernel: use float16, bfloat16, float32 or float64"]
-    reasons = []
-    for name, size in (("d", workload.d), ("e", workload.e)):
-        if size > limit:
-            reasons.append(
-                f"head dimension {name}={size} is above {limit}, the largest the {dtype.name} kernel supports "
-                f"(float32 and float64 allow 512)")
-    return reasons
+    return []
 
 
 def not_supported_reasons(workload, config: BlockConfig, device: DeviceLimits, *, suggest: bool = True) -> List[str]:
@@ -255,7 +255,7 @@ def not_supported_reasons(workload, config: BlockConfig, device: DeviceLimits, *
         return tensorcore.not_supported_reasons(workload, config, device, suggest=suggest)
     if config.variant != "fma":
         return [f"variant {config.variant!r} is not a kernel: 'fma' (CUDA cores) or 'mma' (tensor cores)"]
-    reasons = _head_dim_reasons(workload)
+    reasons = _dtype_reasons(workload)
     if reasons:
         return reasons
     reasons = _shape_reasons(config)
@@ -305,7 +305,7 @@ def choose(workload, device: DeviceLimits) -> BlockConfig:
     fast = tensorcore.first_fit(workload, device)
     if fast is not None:
         return fast
-    reasons = _head_dim_reasons(workload)
+    reasons = _dtype_reasons(workload)
     config = None if reasons else _first_fit(workload, device)
     if config is None:
         raise ValueError("attention: " + ("; ".join(reasons) if reasons else

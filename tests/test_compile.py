@@ -33,7 +33,7 @@ def test_shared_memory_layout_equals_the_model():
         for d, e in ((1, 1), (59, 3), (64, 64), (111, 256), (256, 128), (512, 512)):
             for config in (tiling.BlockConfig(64, 64), tiling.BlockConfig(16, 48, 8), tiling.BlockConfig(4, 16, 2)):
                 w = tiling.Workload(dtype, d, e)
-                if d > tiling.MAX_HEAD_DIM[dtype.name]:
+                if d > tiling.MAX_BUCKET[dtype.name]:
                     continue
                 ctype = launch.C_TYPES[dtype.name]
                 args = f"{ctype}, {config.Br}, {config.Bc}, {tiling.bucket(d)}, {tiling.bucket(e)}"

@@ -184,18 +184,20 @@ def test_problem_flops_reads_a_problem():
 
 
 def brute_walk(n, m, br, bc, causal, window):
-    """(key rows loaded, mask elements read, distinct key rows) over the tiles holding a visible pair."""
+    """(key rows loaded, mask elements read, distinct key rows, query rows loaded when Q is reloaded with every
+    key tile) over the tiles holding a visible pair."""
     vis = visibility(n, m, causal, window)
-    key_rows = elems = 0
+    key_rows = elems = query_rows = 0
     used = np.zeros(m, dtype=bool)
     for i0 in range(0, n, br):
         for j0 in range(0, m, bc):
             tile = vis[i0:i0 + br, j0:j0 + bc]
             if tile.any():
                 key_rows += tile.shape[1]
+                query_rows += tile.shape[0]
                 elems += tile.size
                 used[j0:j0 + bc] = True
-    return key_rows, elems, int(used.sum())
+    return key_rows, elems, int(used.sum()), query_rows
 
 
 tiles = st.sampled_from([1, 2, 3, 4, 5, 8, 16, 64])
@@ -204,11 +206,16 @@ tiles = st.sampled_from([1, 2, 3, 4, 5, 8, 16, 64])
 @given(small, small, tiles, tiles, st.booleans(), windows, st.integers(1, 3))
 def test_kernel_traffic_equals_brute_tile_walk(n, m, br, bc, causal, window, batch):
     d, e, size = 4, 3, 2
-    key_rows, elems, distinct = brute_walk(n, m, br, bc, causal, window)
+    key_rows, elems, distinct, query_rows = brute_walk(n, m, br, bc, causal, window)
     t = cost.kernel_traffic(batch, n, m, d, e, itemsize=size, Br=br, Bc=bc, causal=causal, window=window,
                             mask_itemsize=1, bias_itemsize=4)
     assert t == cost.Traffic(q=batch * n * d * size, k=batch * key_rows * d * size, v=batch * key_rows * e * size,
                              o=batch * n * e * size, lse=batch * n * 4, mask=batch * elems, bias=batch * elems * 4)
+    # d in slices of 2 (Q reloaded per key tile), e in column blocks of 2 (two launches: Q, K, mask, bias twice)
+    sliced = cost.kernel_traffic(batch, n, m, d, e, itemsize=size, Br=br, Bc=bc, causal=causal, window=window,
+                                 mask_itemsize=1, bias_itemsize=4, d_slice=2, e_block=2)
+    assert sliced == cost.Traffic(q=2 * batch * query_rows * d * size, k=2 * t.k, v=t.v, o=t.o, lse=t.lse,
+                                  mask=2 * t.mask, bias=2 * t.bias)
     least = cost.compulsory_traffic(batch, n, m, d, e, itemsize=size, Br=br, Bc=bc, causal=causal, window=window,
                                     mask_itemsize=1, bias_itemsize=4, kv_copies=1, mask_copies=1)
     assert least.k == distinct * d * size and least.mask == elems and least.bias == batch * elems * 4

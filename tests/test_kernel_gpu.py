@@ -51,10 +51,12 @@ def test_block_configurations(case):
         check_case(case, backend="cupy", to_device=to_device, block=block)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_head_dims_to_512(dtype):
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("d, e", [(300, 512), (1030, 600)])
+def test_any_head_dim(dtype, d, e):
+    """Past the largest bucket d is swept in slices and e split into column blocks."""
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 70, 300), (2, 90, 300), (2, 90, 512)))
+    q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 70, d), (2, 90, d), (2, 90, e)))
     check_case(Case(q, k, v, {"causal": True}), backend="cupy", to_device=to_device)
 
 

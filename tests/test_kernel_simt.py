@@ -14,7 +14,7 @@ import cuflash.simt
 from cuflash import BlockConfig, launch, tiling
 from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
-from strategies import cases
+from strategies import Case, cases
 
 pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT emulator needs g++")
 
@@ -35,10 +35,24 @@ def test_head_dim_256(case):
     check_case(case, backend="simt")
 
 
-@given(cases(dtypes=(F32, F64), lengths=(5, 40), head_dims=(300, 512), max_batch_dims=0, masks=False))
-@settings(max_examples=3)
-def test_head_dims_past_256_in_float32_and_float64(case):
+@given(cases(lengths=(5, 40), head_dims=(300, 512, 1030), max_batch_dims=0, masks=False))
+@settings(max_examples=6)
+def test_any_head_dim(case):
+    """Past the largest bucket (256 for 16-bit types, 512 otherwise) d is swept in slices and e split into
+    column blocks; 1030 leaves a 6-wide last slice."""
     check_case(case, backend="simt")
+
+
+def test_wide_e_is_split_into_column_blocks():
+    rng = np.random.default_rng(8)
+    q, k = rand(rng, (2, 9, 70), np.float64), rand(rng, (2, 33, 70), np.float64)
+    v = rand(rng, (2, 33, 2 * 1100), np.float64)[..., ::2]
+    problem, out, lse = problem_and_outputs(q, k, v)
+    blocks = launch.launches(problem, out, lse, BlockConfig(4, 16, warps=2))
+    assert [x.name for x in blocks] == ["cuflash::fwd<double, 4, 16, 128, 512, 2>"] * 3
+    assert [x.args[-1] & launch.WANT_LSE for x in blocks] == [launch.WANT_LSE, 0, 0]  # lse written once
+    assert [int(x.args[11]) for x in blocks] == [512, 512, 76]  # e of each column block
+    check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt")
 
 
 BLOCKS = ((16, 16), BlockConfig(8, 16, warps=4), BlockConfig(4, 32, warps=2), (32, 64), BlockConfig(16, 48, 8))
@@ -183,6 +197,10 @@ for block in [(16, 16), (32, 64)]:
     out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt", block=block,
                                  return_lse=True)
     assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
+# head dims past the largest bucket: three slices of d (the last 6 wide) and two column blocks of e
+q, k, v = r((9, 2 * 1030))[:, ::2], r((20, 1030)), r((20, 600))
+out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", return_lse=True)
+assert_accurate(out, q, k, v, lse=lse, causal=True)
 q16, k16, v16 = r((3, 29, 64), np.float16), r((3, 70, 64), np.float16), r((3, 70, 64), np.float16)
 out = cuflash.attention(q16, k16, v16, causal=True, backend="simt")
 assert_accurate(out, q16, k16, v16, causal=True)

@@ -6,9 +6,10 @@
 // running max m_i, the running sum l_i and the unnormalized O_i (RPT x E/16 per thread) live in registers; only the
 // probabilities P pass through shared memory, to be read by rows for P.V. No score ever goes to global memory.
 //
-// Template: T element type (__half, __nv_bfloat16, float, double); Br, Bc tile sizes; D, E buckets (the largest
-// d and e the instantiation serves: it sizes shared memory and registers; the actual d, e are run-time arguments
-// and tails are zero-filled by predicated loads); Warps per block.
+// Template: T element type (__half, __nv_bfloat16, float, double); Br, Bc tile sizes; D, E buckets (they size
+// shared memory and registers; the actual d, e are run-time arguments and tails are zero-filled by predicated
+// loads). A d above D is swept in D-wide slices; e is at most E (the launch splits a wider e into column blocks,
+// each its own launch). Warps per block.
 #pragma once
 
 #include "tile.cuh"
@@ -107,8 +108,13 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const long long i0 = (long long)blockIdx.x * Br;
     const int rows = (int)min_ll(Br, n - i0);
 
-    load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
-                                            (int)d, flags & kVectorQ);
+    // With d <= D, Q_i is loaded once, here. A wider d is swept in D-wide slices, and Q_i's slices are reloaded
+    // with every key tile (from L2, mostly).
+    const T* q_i = q + ops.base.of[kQ] + i0 * ops.q.row;
+    const bool q_resident = d <= D;
+    const int slices = q_resident ? 1 : (int)((d + D - 1) / D);
+    if (q_resident)
+        load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q_i, ops.q.row, ops.q.col, rows, (int)d, flags & kVectorQ);
 
     Acc m_i[RPT], l_i[RPT], O_i[RPT][EPT];
 #pragma unroll
@@ -122,35 +128,43 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const KeyRange keys = key_range(i0, i0 + rows, m, ops.offset, left, right);
     for (long long j0 = keys.begin; j0 < keys.end; j0 += Bc) {
         const int cols = (int)min_ll(Bc, keys.end - j0);
-        __syncthreads();  // the previous tile's K, V and P are no longer read
-        load_tile<T, Bc, D, Smem::LDK, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
-                                                cols, (int)d, flags & kVectorK);
-        load_tile<T, Bc, E, Smem::LDV, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
-                                                cols, (int)e, flags & kVectorV);
-        __syncthreads();
 
-        // Only tiles that straddle the window, carry a mask or end early pay for per-element visibility.
-        const bool partial = ops.has_mask || cols < Bc ||
-                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
-
-        // S_ij = q_i . k_j, in the log2 domain: scale * log2(e) is folded into one multiplier.
+        // S_ij = q_i . k_j (scaled into the log2 domain below), one D-wide slice of the head dimension at a time.
         Acc S[RPT][CPT];
 #pragma unroll
         for (int a = 0; a < RPT; ++a)
 #pragma unroll
             for (int c = 0; c < CPT; ++c) S[a][c] = Acc(0);
+        for (int slice = 0; slice < slices; ++slice) {
+            const long long x0 = (long long)slice * D;
+            const int width = (int)min_ll(D, d - x0);
+            __syncthreads();  // the previous slice's Q and K (at slice 0: the previous tile's K, V and P) are read
+            if (!q_resident)
+                load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q_i + x0 * ops.q.col, ops.q.row, ops.q.col, rows,
+                                                        width, flags & kVectorQ);
+            load_tile<T, Bc, D, Smem::LDK, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row + x0 * ops.k.col,
+                                                    ops.k.row, ops.k.col, cols, width, flags & kVectorK);
+            if (slice == 0)
+                load_tile<T, Bc, E, Smem::LDV, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
+                                                        ops.v.col, cols, (int)e, flags & kVectorV);
+            __syncthreads();
 #pragma unroll 2
-        for (int x = 0; x < (int)d; ++x) {
-            Acc q_x[RPT], k_x[CPT];
+            for (int x = 0; x < width; ++x) {
+                Acc q_x[RPT], k_x[CPT];
 #pragma unroll
-            for (int a = 0; a < RPT; ++a) q_x[a] = to_acc(Q_s[(ty * RPT + a) * Smem::LDQ + x]);
+                for (int a = 0; a < RPT; ++a) q_x[a] = to_acc(Q_s[(ty * RPT + a) * Smem::LDQ + x]);
 #pragma unroll
-            for (int c = 0; c < CPT; ++c) k_x[c] = to_acc(K_s[(tx + TC * c) * Smem::LDK + x]);
+                for (int c = 0; c < CPT; ++c) k_x[c] = to_acc(K_s[(tx + TC * c) * Smem::LDK + x]);
 #pragma unroll
-            for (int a = 0; a < RPT; ++a)
+                for (int a = 0; a < RPT; ++a)
 #pragma unroll
-                for (int c = 0; c < CPT; ++c) S[a][c] += q_x[a] * k_x[c];
+                    for (int c = 0; c < CPT; ++c) S[a][c] += q_x[a] * k_x[c];
+            }
         }
+
+        // Only tiles that straddle the window, carry a mask or end early pay for per-element visibility.
+        const bool partial = ops.has_mask || cols < Bc ||
+                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
 
         // Scale, bias and visibility; a hidden key's score becomes -inf by selection and its bit is remembered.
         unsigned hidden[RPT];
