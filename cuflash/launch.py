@@ -39,14 +39,14 @@ def kernel_name(workload, config: BlockConfig) -> str:
         from . import tensorcore
         return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
                 f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
-    D, E = fma_buckets(workload)
+    D, E = fma_buckets(workload, config)
     return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}>"
 
 
 def column_blocks(workload, config: BlockConfig) -> List[Tuple[int, int]]:
     """The [e0, e1) column blocks of the output, one launch each: all of e, unless e is wider than the E the
     CUDA-core instantiation holds in registers (each block then recomputes the scores; cost scales with e / E)."""
-    E = fma_buckets(workload)[1] if config.variant == "fma" else workload.e
+    E = fma_buckets(workload, config)[1] if config.variant == "fma" else workload.e
     return [(e0, min(workload.e, e0 + E)) for e0 in range(0, workload.e, E)] or [(0, 0)]
 
 

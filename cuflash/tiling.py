@@ -8,7 +8,7 @@ present as well as for the one that is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -30,13 +30,18 @@ class BlockConfig:
     """Tile sizes of the forward kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
 
     variant: "fma" is the CUDA-core kernel (any dtype; no load pipeline, stages=1); "mma" the tensor-core kernel
-    for float16/bfloat16 on compute capability 8.0+ (cuflash.tensorcore; stages 2 or 3: BlockConfig.mma)."""
+    for float16/bfloat16 on compute capability 8.0+ (cuflash.tensorcore; stages 2 or 3: BlockConfig.mma).
+
+    head_tile ("fma" only): the widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d
+    past it is swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256
+    for 16-bit types, 512 otherwise). A narrower tile lets large head dims fit a small shared memory."""
 
     Br: int
     Bc: int
     warps: int = 4
     stages: int = 1
     variant: str = "fma"
+    head_tile: Optional[int] = None
 
     @classmethod
     def mma(cls, Br: int, Bc: int, warps: int = 4, stages: int = 2) -> "BlockConfig":
@@ -56,6 +61,8 @@ class BlockConfig:
             return f"({self.Br}, {self.Bc}, warps={self.warps}, stages={self.stages}, {self.variant})"
         extra = "" if (self.warps, self.stages) == (4, 1) else f", warps={self.warps}" + (
             "" if self.stages == 1 else f", stages={self.stages}")
+        if self.head_tile is not None:
+            extra += f", head_tile={self.head_tile}"
         return f"({self.Br}, {self.Bc}{extra})"
 
 
@@ -157,10 +164,11 @@ def bucket(size: int) -> int:
     raise ValueError(f"head dimension {size} is above the largest bucket {HEAD_DIM_BUCKETS[-1]}")
 
 
-def fma_buckets(workload) -> Tuple[int, int]:
-    """(D, E) of the CUDA-core instantiation serving workload. Head dimensions past the dtype's largest bucket are
-    served in pieces: the kernel sweeps d in D-wide slices, and the launch splits e into E-wide column blocks."""
-    limit = MAX_BUCKET[np.dtype(workload.dtype).name]
+def fma_buckets(workload, config: BlockConfig) -> Tuple[int, int]:
+    """(D, E) of the CUDA-core instantiation serving workload with config. Head dimensions past the head tile
+    (config.head_tile, else the dtype's largest bucket) are served in pieces: the kernel sweeps d in D-wide slices,
+    and the launch splits e into E-wide column blocks."""
+    limit = config.head_tile or MAX_BUCKET[np.dtype(workload.dtype).name]
     return bucket(min(workload.d, limit)), bucket(min(workload.e, limit))
 
 
@@ -175,7 +183,7 @@ def shared_memory_bytes(workload, config: BlockConfig) -> int:
         return tensorcore.shared_memory_bytes(workload, config)
     item = np.dtype(workload.dtype).itemsize
     acc = acc_dtype_of(workload.dtype).itemsize
-    D, E = fma_buckets(workload)
+    D, E = fma_buckets(workload, config)
     pad = 4 // item if item < 4 else 1
     q = _align16(item * config.Br * (D + pad))
     k = _align16(item * config.Bc * (D + pad))
@@ -189,7 +197,7 @@ def accumulator_words(workload, config: BlockConfig) -> int:
     if config.variant == "mma":
         return tensorcore.accumulator_words(workload, config)
     rows = config.Br // max(1, config.row_groups)
-    cols = config.Bc // LANES_PER_ROW + fma_buckets(workload)[1] // LANES_PER_ROW
+    cols = config.Bc // LANES_PER_ROW + fma_buckets(workload, config)[1] // LANES_PER_ROW
     return rows * cols * (acc_dtype_of(workload.dtype).itemsize // 4)
 
 
@@ -248,17 +256,29 @@ def _dtype_reasons(workload) -> List[str]:
     return []
 
 
+def _head_tile_reasons(workload, config: BlockConfig) -> List[str]:
+    largest = MAX_BUCKET[np.dtype(workload.dtype).name]
+    if config.head_tile is None or config.head_tile in HEAD_DIM_BUCKETS and config.head_tile <= largest:
+        return []
+    allowed = ", ".join(str(b) for b in HEAD_DIM_BUCKETS if b <= largest)
+    return [f"head_tile={config.head_tile} is not supported for {np.dtype(workload.dtype).name}: use one of "
+            f"{allowed}, or None"]
+
+
 def not_supported_reasons(workload, config: BlockConfig, device: DeviceLimits, *, suggest: bool = True) -> List[str]:
     """Every reason `config` cannot run `workload` (anything with dtype, d, e: a Problem, a Workload) on `device`,
     each a sentence naming what was asked, the limit and a configuration that fits. Empty: supported."""
     if config.variant == "mma":
+        if config.head_tile is not None:
+            return [f"head_tile={config.head_tile} is a setting of the CUDA-core kernel (variant 'fma'); the "
+                    f"tensor-core kernel takes head dims up to {tensorcore.MAX_HEAD_DIM} whole"]
         return tensorcore.not_supported_reasons(workload, config, device, suggest=suggest)
     if config.variant != "fma":
         return [f"variant {config.variant!r} is not a kernel: 'fma' (CUDA cores) or 'mma' (tensor cores)"]
     reasons = _dtype_reasons(workload)
     if reasons:
         return reasons
-    reasons = _shape_reasons(config)
+    reasons = _shape_reasons(config) + _head_tile_reasons(workload, config)
     if reasons:
         return _with_suggestion(reasons, workload, device, suggest)
     what = f"block {config} for {describe_workload(workload)}"
@@ -293,10 +313,16 @@ CANDIDATES = tuple(BlockConfig(br, bc, w) for br, bc, w in (
 
 def _first_fit(workload, device) -> Optional[BlockConfig]:
     """The first candidate within the register target that runs; failing that (the largest head dims), the first
-    that runs at all."""
-    runs = [c for c in CANDIDATES if not not_supported_reasons(workload, c, device, suggest=False)]
-    roomy = [c for c in runs if accumulator_words(workload, c) <= ACC_REGISTER_TARGET]
-    return (roomy or runs or [None])[0]
+    that runs at all. When none runs with whole head dims (large d on a small shared memory), the same with ever
+    narrower head tiles."""
+    widest = max(fma_buckets(workload, CANDIDATES[0]))
+    for tile in [None] + [b for b in reversed(HEAD_DIM_BUCKETS) if b < widest]:
+        candidates = [replace(c, head_tile=tile) for c in CANDIDATES]
+        runs = [c for c in candidates if not not_supported_reasons(workload, c, device, suggest=False)]
+        roomy = [c for c in runs if accumulator_words(workload, c) <= ACC_REGISTER_TARGET]
+        if roomy or runs:
+            return (roomy or runs)[0]
+    return None
 
 
 def choose(workload, device: DeviceLimits) -> BlockConfig:

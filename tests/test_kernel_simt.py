@@ -43,6 +43,13 @@ def test_any_head_dim(case):
     check_case(case, backend="simt")
 
 
+@given(cases(lengths=(5, 40), head_dims=(16, 70, 150), max_batch_dims=1))
+@settings(max_examples=8)
+def test_narrow_head_tiles(case):
+    """A head tile of 32, as a small GPU's plan may take: d in slices and e in column blocks with tails."""
+    check_case(case, backend="simt", block=BlockConfig(8, 16, 4, head_tile=32))
+
+
 def test_wide_e_is_split_into_column_blocks():
     rng = np.random.default_rng(8)
     q, k = rand(rng, (2, 9, 70), np.float64), rand(rng, (2, 33, 70), np.float64)
