@@ -40,7 +40,8 @@ def kernel_name(workload, config: BlockConfig) -> str:
         return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
                 f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
     D, E = fma_buckets(workload, config)
-    return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}>"
+    sliced = ", true" if workload.d > D else ""  # d swept in D-wide slices
+    return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}{sliced}>"
 
 
 def column_blocks(workload, config: BlockConfig) -> List[Tuple[int, int]]:

@@ -8,8 +8,8 @@
 //
 // Template: T element type (__half, __nv_bfloat16, float, double); Br, Bc tile sizes; D, E buckets (they size
 // shared memory and registers; the actual d, e are run-time arguments and tails are zero-filled by predicated
-// loads). A d above D is swept in D-wide slices; e is at most E (the launch splits a wider e into column blocks,
-// each its own launch). Warps per block.
+// loads). A d above D is swept in D-wide slices (Sliced true); e is at most E (the launch splits a wider e into
+// column blocks, each its own launch). Warps per block.
 #pragma once
 
 #include "tile.cuh"
@@ -78,7 +78,7 @@ __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, l
     return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
 }
 
-template <typename T, int Br, int Bc, int D, int E, int Warps>
+template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false>
 __global__ void __launch_bounds__(Warps * 32, 1)
 fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const bool* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias, T* __restrict__ out,
@@ -108,12 +108,12 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const long long i0 = (long long)blockIdx.x * Br;
     const int rows = (int)min_ll(Br, n - i0);
 
-    // With d <= D, Q_i is loaded once, here. A wider d is swept in D-wide slices, and Q_i's slices are reloaded
-    // with every key tile (from L2, mostly).
+    // With d <= D (Sliced false), Q_i is loaded once, here. A wider d is swept in D-wide slices, and Q_i's slices
+    // are reloaded with every key tile (from L2, mostly). A compile-time choice: the slice loop costs registers.
     const T* q_i = q + ops.base.of[kQ] + i0 * ops.q.row;
-    const bool q_resident = d <= D;
+    constexpr bool q_resident = !Sliced;
     const int slices = q_resident ? 1 : (int)((d + D - 1) / D);
-    if (q_resident)
+    if constexpr (q_resident)
         load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q_i, ops.q.row, ops.q.col, rows, (int)d, flags & kVectorQ);
 
     Acc m_i[RPT], l_i[RPT], O_i[RPT][EPT];
@@ -139,7 +139,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             const long long x0 = (long long)slice * D;
             const int width = (int)min_ll(D, d - x0);
             __syncthreads();  // the previous slice's Q and K (at slice 0: the previous tile's K, V and P) are read
-            if (!q_resident)
+            if constexpr (!q_resident)
                 load_tile<T, Br, D, Smem::LDQ, Threads>(Q_s, q_i + x0 * ops.q.col, ops.q.row, ops.q.col, rows,
                                                         width, flags & kVectorQ);
             load_tile<T, Bc, D, Smem::LDK, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row + x0 * ops.k.col,
