@@ -102,6 +102,9 @@ if [ "$DRY" = 0 ]; then
         note "hypothesis is MISSING: tests/conftest.py imports it, so pytest runs with --noconftest and --continue-on-collection-errors: the test files that import hypothesis are not collected (their errors are in the logs); the others run"
         PYTEST_ARGS+=(--noconftest --continue-on-collection-errors)
     fi
+    # NVRTC compiles each kernel instantiation the tests meet on first use (a second or more each, one at a
+    # time per process): with pytest-xdist the test files compile in parallel.
+    has xdist && PYTEST_ARGS+=(-n 6)
 fi
 
 steps() {
