@@ -433,6 +433,14 @@ def test_float32_float64_on_the_cuda_core_kernel(cupy, dtype):
     assert _State.launches[-1][0].startswith(f"cuflash::fwd<{'float' if dtype == F32 else 'double'},")
 
 
+def test_head_dims_past_the_largest_tile(cupy):
+    """d in slices and e in column blocks: three launches over views of v and out, lse written by the first."""
+    case = _case((F32,) * 3, ((2, 9, 530), (2, 21, 530), (2, 21, 1100)), {"causal": True}, out_kind="strided")
+    check_case(case, backend="cupy", to_device=cupy.asarray)
+    names = [launch[0] for launch in _State.launches[-3:]]
+    assert names == ["cuflash::fwd<float, 16, 32, 512, 512, 8, true>"] * 3
+
+
 def test_mask_bias_window_and_grouped_query_heads(cupy):
     rng = np.random.default_rng(3)
     # GQA: 4 query heads share 2 key/value heads through a size-1 axis; a broadcast mask and a float16 bias.
