@@ -58,19 +58,12 @@ def case_write_after_read():
 
 
 def case_clean_reductions():
-    mod = simt_util.module("basics.cu", ("reduce_shared<128>",), mode="race")
     for schedule in ("forward", "reverse", 5):
-        x = np.random.default_rng(0).standard_normal(7 * 128 - 3).astype(np.float32)
-        out = np.zeros(7, np.float32)
-        mod.get_function("reduce_shared<128>")((7,), (128,), (x, out, np.int64(x.size), np.int32(2)), seed=schedule)
-        np.testing.assert_allclose(out, np.pad(x, (0, 3)).reshape(7, 128).sum(1), rtol=1e-5, atol=1e-4)
-        y = np.random.default_rng(1).standard_normal(3 * 96)
-        s = np.zeros(3)
-        mod.get_function("reduce_shuffle")((3,), (96,), (y, s, np.int32(y.size)), seed=schedule)
-        np.testing.assert_allclose(s, y.reshape(3, 96).sum(1))
+        simt_util.check_reductions("race", schedule)
         z = np.random.default_rng(3).standard_normal(4 * 128).astype(np.float32)
         o = np.zeros(4, np.float32)
-        mod.get_function("reduce10")((4,), (128,), (z, o), seed=schedule)
+        simt_util.module("basics.cu", ("reduce_shared<128>",), mode="race").get_function("reduce10")(
+            (4,), (128,), (z, o), seed=schedule)
         np.testing.assert_allclose(o, z.reshape(4, 128).sum(1), rtol=1e-4, atol=1e-4)
     counter = np.zeros(2, np.int32)
     racy().get_function("atomics_only")((3,), (64,), (counter,))
@@ -78,16 +71,7 @@ def case_clean_reductions():
 
 
 def case_clean_ptx():
-    from ptx_cases import ALL_NAMES, tile_case
-    mod = simt_util.module("ptx_tests.cu", ALL_NAMES, with_ptx=True, mode="race")
-    (a, b, c), want = tile_case(np.float16, True, np.random.default_rng(0))
-    d = np.zeros((16, 8), np.float32)
-    mod.get_function("mma_tile<__half, true>")((1,), (32,), (a, b, c, d))
-    np.testing.assert_allclose(d, want, rtol=1e-5, atol=1e-5)
-    src = np.ones((64, 4), np.float32)
-    outs = [np.zeros((n, 4), np.float32) for n in (64, 128, 64)]
-    mod.get_function("cp_async_order")((1,), (64,), (src, src, *outs, np.int32(8)))
-    assert (outs[2][:, :2] == 1).all() and (outs[2][:, 2:] == 0).all()
+    simt_util.check_ptx_kernels("race")
 
 
 def case_clean_attention():

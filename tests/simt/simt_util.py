@@ -1,7 +1,10 @@
-"""Shared helpers of the emulator's tests: kernel sources and compiled modules (cached per process)."""
+"""Shared helpers of the emulator's tests: kernel sources, compiled modules (cached per process), and the clean
+kernels that the memcheck and race passes both run."""
 
 import functools
 from pathlib import Path
+
+import numpy as np
 
 from cuflash import simt
 
@@ -19,3 +22,30 @@ def source(name: str, with_ptx: bool = False) -> str:
 @functools.lru_cache(maxsize=None)
 def module(name: str, names: tuple = (), with_ptx: bool = False, mode: str = "fast", **kw) -> simt.RawModule:
     return simt.RawModule(code=source(name, with_ptx), name_expressions=names, mode=mode, **kw)
+
+
+def check_reductions(mode: str, schedule) -> None:
+    """Block reductions through shared memory and through shuffles, clean in any mode and schedule."""
+    mod = module("basics.cu", ("reduce_shared<128>",), mode=mode)
+    x = np.random.default_rng(0).standard_normal(7 * 128 - 3).astype(np.float32)
+    out = np.zeros(7, np.float32)
+    mod.get_function("reduce_shared<128>")((7,), (128,), (x, out, np.int64(x.size), np.int32(2)), seed=schedule)
+    np.testing.assert_allclose(out, np.pad(x, (0, 3)).reshape(7, 128).sum(1), rtol=1e-5, atol=1e-4)
+    y = np.random.default_rng(1).standard_normal(3 * 96)
+    s = np.zeros(3)
+    mod.get_function("reduce_shuffle")((3,), (96,), (y, s, np.int32(y.size)), seed=schedule)
+    np.testing.assert_allclose(s, y.reshape(3, 96).sum(1))
+
+
+def check_ptx_kernels(mode: str) -> None:
+    """An mma tile and cp.async groups through their emulated twins, clean in any mode."""
+    from ptx_cases import ALL_NAMES, tile_case
+    mod = module("ptx_tests.cu", ALL_NAMES, with_ptx=True, mode=mode)
+    (a, b, c), want = tile_case(np.float16, True, np.random.default_rng(0))
+    d = np.zeros((16, 8), np.float32)
+    mod.get_function("mma_tile<__half, true>")((1,), (32,), (a, b, c, d))
+    np.testing.assert_allclose(d, want, rtol=1e-5, atol=1e-5)
+    src = np.ones((64, 4), np.float32)
+    outs = [np.zeros((n, 4), np.float32) for n in (64, 128, 64)]
+    mod.get_function("cp_async_order")((1,), (64,), (src, src, *outs, np.int32(8)))
+    assert (outs[2][:, :2] == 1).all() and (outs[2][:, 2:] == 0).all()
