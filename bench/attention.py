@@ -93,6 +93,11 @@ class Preset:
     budget_s: float = 2.0  # timing stops after this many seconds per backend (at least 3 calls)
 
 
+def decode(dtype, d, ms, batch=1, heads=16) -> List[Point]:
+    """Decoding points: one query per head over an m-key cache, too few blocks to fill a GPU unless keys split."""
+    return [Point(dtype, batch, heads, 1, m, d, False) for m in ms]
+
+
 HALF = ("float16", "bfloat16")
 FA2_POINTS = grid(HALF, (64, 128), (1024, 2048, 4096, 8192, 16384))
 PRESETS = {
@@ -103,13 +108,15 @@ PRESETS = {
                           + grid(HALF, (32, 256), (1024, 4096, 16384))
                           + grid(("float32",), (64, 128), (1024, 4096))
                           + grid(("float16",), (64, 128), (1024, 4096), m_per_n=4)
-                          + grid(("float16",), (128,), (4096,), causals=(False,), m_per_n=0.25)),
+                          + grid(("float16",), (128,), (4096,), causals=(False,), m_per_n=0.25)
+                          + decode("float16", 128, (4096, 16384, 65536))),
                     ((128, 64), (64, 64)), True, 3, 10, 8192),
     # The device check's: a couple of minutes with kernel compilation included.
     "short": Preset(tuple(grid(HALF, (128,), (2048, 8192), causals=(False,))
                           + grid(("float16",), (128,), (8192,), causals=(True,))
                           + grid(("float16",), (64,), (4096,), causals=(False,))
-                          + grid(("float16",), (128,), (1024,), m_per_n=4)),
+                          + grid(("float16",), (128,), (1024,), m_per_n=4)
+                          + decode("float16", 128, (32768,))),
                     ((128, 64),), True, 2, 10, 8192, budget_s=1.0),
     # A CPU without a GPU: the NumPy backend against naive NumPy.
     "cpu": Preset(tuple(grid(("float32",), (64,), (256, 512, 1024), tokens=1024, hidden=256)

@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from . import kernels
+from .dtypes import acc_dtype_of
 from .tiling import BlockConfig, fma_buckets
 
 C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
@@ -32,16 +33,19 @@ def source() -> str:
     return kernels.source("forward_mma.cuh")
 
 
-def kernel_name(workload, config: BlockConfig) -> str:
-    """The name expression of the instantiation serving workload (dtype, d, e) with config."""
+def kernel_name(workload, config: BlockConfig, split: bool = False) -> str:
+    """The name expression of the instantiation serving workload (dtype, d, e) with config; split: the CUDA-core
+    kernel writing partial results in the accumulator type (split keys)."""
     ctype = C_TYPES[np.dtype(workload.dtype).name]
     if config.variant == "mma":
         from . import tensorcore
         return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
                 f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
     D, E = fma_buckets(workload, config)
-    sliced = ", true" if workload.d > D else ""  # d swept in D-wide slices
-    return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}{sliced}>"
+    sliced = workload.d > D  # d swept in D-wide slices
+    extra = f", {str(sliced).lower()}, {C_TYPES[acc_dtype_of(workload.dtype).name]}" if split else \
+        (", true" if sliced else "")
+    return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}{extra}>"
 
 
 def column_blocks(workload, config: BlockConfig) -> List[Tuple[int, int]]:
@@ -49,6 +53,20 @@ def column_blocks(workload, config: BlockConfig) -> List[Tuple[int, int]]:
     CUDA-core instantiation holds in registers (each block then recomputes the scores; cost scales with e / E)."""
     E = fma_buckets(workload, config)[1] if config.variant == "fma" else workload.e
     return [(e0, min(workload.e, e0 + E)) for e0 in range(0, workload.e, E)] or [(0, 0)]
+
+
+@dataclass(frozen=True)
+class KeySplit:
+    """The key axis cut into `count` splits of `keys` keys (the last may be shorter), each swept by its own blocks
+    into partial results `out_stride` and `lse_stride` elements apart (flash-decoding). count 1: no split."""
+
+    keys: int = 0
+    count: int = 1
+    out_stride: int = 0
+    lse_stride: int = 0
+
+
+NO_SPLIT = KeySplit()
 
 
 @dataclass
@@ -125,20 +143,21 @@ def window_reach(problem) -> Tuple[int, int]:
     return tuple(reach if side is None else max(-reach, min(reach, int(side))) for side in problem.window)
 
 
-def launches(problem, out, lse, config: BlockConfig) -> List[Launch]:
+def launches(problem, out, lse, config: BlockConfig, split: KeySplit = NO_SPLIT) -> List[Launch]:
     """The kernel launches that compute problem into out (and lse when not None) with config: one per column block
     of e (column_blocks; the first also writes lse), times one per index of the leading batch dims when the batch
-    has more dims than the kernel takes after coalescing."""
+    has more dims than the kernel takes after coalescing. With split keys, out and lse are split 0's partial
+    results (in the accumulator type) and the blocks of every split run in the same launches."""
     bias = None if problem.bias is None else bias_operand(problem)
     result = []
     for index, (e0, e1) in enumerate(column_blocks(problem, config)):
         operands = [problem.q, problem.k, problem.v[..., e0:e1], problem.mask, bias, out[..., e0:e1],
                     lse if index == 0 else None]
-        result += _batch_launches(problem, operands, e1 - e0, config)
+        result += _batch_launches(problem, operands, e1 - e0, config, split)
     return result
 
 
-def _batch_launches(problem, operands, e, config: BlockConfig) -> List[Launch]:
+def _batch_launches(problem, operands, e, config: BlockConfig, split: KeySplit) -> List[Launch]:
     xp = problem.xp
     acc = problem.acc_dtype
     # Operands whose byte strides are not whole elements (exotic views) are copied once.
@@ -147,7 +166,7 @@ def _batch_launches(problem, operands, e, config: BlockConfig) -> List[Launch]:
     strides = [element_strides(x)[:nb] if x is not None else (0,) * nb for x in operands]
     shape, batch_strides = coalesce(problem.batch, strides)
     if len(shape) <= MAX_BATCH_DIMS:
-        return [_launch(problem, operands, shape, batch_strides, e, config, xp, acc)]
+        return [_launch(problem, operands, shape, batch_strides, e, config, split, xp, acc)]
     # Too many batch dims: launch per index of the leading ones, on views.
     lead = len(problem.batch) - MAX_BATCH_DIMS
     result = []
@@ -155,17 +174,18 @@ def _batch_launches(problem, operands, e, config: BlockConfig) -> List[Launch]:
         views = [None if x is None else x[index] for x in operands]
         sub = [element_strides(x)[:MAX_BATCH_DIMS] if x is not None else (0,) * MAX_BATCH_DIMS for x in views]
         sub_shape, sub_strides = coalesce(problem.batch[lead:], sub)
-        result.append(_launch(problem, views, sub_shape, sub_strides, e, config, xp, acc))
+        result.append(_launch(problem, views, sub_shape, sub_strides, e, config, split, xp, acc))
     return result
 
 
-def _launch(problem, operands, shape, batch_strides, e, config, xp, acc) -> Launch:
+def _launch(problem, operands, shape, batch_strides, e, config, split, xp, acc) -> Launch:
     from .tiling import shared_memory_bytes
 
     q, k, v, mask, bias, out, lse = operands
     batch_count = math.prod(shape)
-    table = np.zeros(2 + MAX_BATCH_DIMS + len(OPERANDS) * (2 + MAX_BATCH_DIMS), dtype=np.int64)
+    table = np.zeros(2 + MAX_BATCH_DIMS + len(OPERANDS) * (2 + MAX_BATCH_DIMS) + 3, dtype=np.int64)
     table[0], table[1] = batch_count, len(shape)
+    table[-3:] = split.keys, split.out_stride, split.lse_stride  # Geometry's split_keys, split_out, split_lse
     table[2:2 + MAX_BATCH_DIMS] = 1
     table[2:2 + len(shape)] = shape
     flags = 0
@@ -196,8 +216,8 @@ def _launch(problem, operands, shape, batch_strides, e, config, xp, acc) -> Laun
             scale_log2, np.int64(left), np.int64(right), np.int32(flags))
     tiles = -(-problem.n // config.Br)
     grid_y = max(1, min(batch_count, MAX_GRID_Y))
-    grid = (tiles, grid_y, -(-batch_count // grid_y))
-    return Launch(kernel_name(problem, config), grid, (config.threads, 1, 1),
+    grid = (tiles * split.count, grid_y, -(-batch_count // grid_y))
+    return Launch(kernel_name(problem, config, split.count > 1), grid, (config.threads, 1, 1),
                   shared_memory_bytes(problem, config), args)
 
 
@@ -229,10 +249,52 @@ def placeholder(xp, dtype):
     return resident(xp, np.zeros(1, dtype=dtype))
 
 
-def run(problem, out, lse, config: BlockConfig, get_kernel: Callable[[str, int], Any]) -> None:
+# ----------------------------------------------------------------------------------------------------------------
+# Split keys (flash-decoding)
+
+
+def split_keys(m: int, splits: int, Bc: int) -> Tuple[int, int]:
+    """(keys per split, number of splits): about `splits` splits of m keys, each a whole number of key tiles."""
+    per_split = -(-m // splits)
+    keys = -(-per_split // Bc) * Bc
+    return keys, -(-m // keys)
+
+
+def combine(parts_out, parts_lse, out, lse, xp) -> None:
+    """Merge the splits' partial results (each normalized by its own sum, with its own lse) into out and lse:
+    weights exp(lse_s - lse), lse = log sum exp(lse_s). A row no split saw gives 0 and -inf; NaN propagates."""
+    top = parts_lse.max(axis=0)
+    shift = xp.where(top == -xp.inf, 0, top)
+    weights = xp.exp(parts_lse - shift)
+    total = weights.sum(axis=0)
+    merged = (weights[..., None] * parts_out).sum(axis=0) / xp.where(total == 0, 1, total)[..., None]
+    out[...] = merged
+    if lse is not None:
+        with np.errstate(divide="ignore"):  # log(0) = -inf: nothing visible
+            lse[...] = xp.log(total) + shift
+
+
+def run(problem, out, lse, config: BlockConfig, get_kernel: Callable[[str, int], Any], splits: int = 1) -> None:
     """Launch every kernel of the problem; get_kernel(name, shared_mem) returns the compiled kernel, ready for
-    that much dynamic shared memory. A launch error names the kernel and the configuration."""
-    for launch in launches(problem, out, lse, config):
+    that much dynamic shared memory. With splits > 1 (the CUDA-core kernel only) the key axis is split, the
+    partial results land in scratch in the accumulator type and are combined into out and lse. A launch error
+    names the kernel and the configuration."""
+    keys, count = split_keys(problem.m, splits, config.Bc) if problem.m else (0, 1)
+    if count > 1:
+        if config.variant != "fma":
+            raise ValueError(f"attention: split keys need the CUDA-core kernel, not block {config}")
+        xp, acc = problem.xp, problem.acc_dtype
+        parts_out = xp.empty((count,) + tuple(out.shape), dtype=acc)
+        parts_lse = xp.empty((count,) + tuple(out.shape[:-1]), dtype=acc)
+        split = KeySplit(keys, count, element_strides(parts_out)[0], element_strides(parts_lse)[0])
+        _run(launches(problem, parts_out[0], parts_lse[0], config, split), config, get_kernel)
+        combine(parts_out, parts_lse, out, lse, xp)
+        return
+    _run(launches(problem, out, lse, config), config, get_kernel)
+
+
+def _run(todo: List[Launch], config: BlockConfig, get_kernel) -> None:
+    for launch in todo:
         if launch.grid[2] > MAX_GRID_Y:
             raise ValueError(f"attention: a batch of {launch.grid[1] * launch.grid[2]} items is more than one launch "
                              f"can cover")

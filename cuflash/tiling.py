@@ -20,6 +20,8 @@ KiB = 1024
 LANES_PER_ROW = 16  # TC in the kernel: lanes that share a row group
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)  # D and E instantiations; the actual d, e are run-time values
 MAX_BUCKET = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
+DECODE_ROWS = 16  # queries per batch item up to which a few short query tiles and split keys serve (decoding)
+SPLIT_MIN_KEYS = 512  # keys a split sweeps at least: fewer, and merging the splits costs more than it gains
 ACC_REGISTER_LIMIT = 96  # accumulator words per thread (S, O) above which ptxas runs out of registers (255)
 ACC_REGISTER_TARGET = 64  # what the heuristic allows itself, leaving room for addresses and staging
 MAX_TILE = 256
@@ -325,9 +327,40 @@ def _first_fit(workload, device) -> Optional[BlockConfig]:
     return None
 
 
+def key_splits(problem, config: BlockConfig, device: DeviceLimits) -> int:
+    """How many splits of the key axis the CUDA-core kernel sweeps in parallel (flash-decoding; 1: none): when
+    the batch's query tiles are fewer blocks than the GPU has SMs, enough splits to give every SM a block, each
+    at least SPLIT_MIN_KEYS keys. Needs the problem's n, m and batch size."""
+    if config.variant != "fma":
+        return 1
+    blocks = -(-problem.n // config.Br) * problem.batch_size
+    if blocks == 0 or blocks >= device.sm_count:
+        return 1
+    return max(1, min(-(-device.sm_count // blocks), problem.m // SPLIT_MIN_KEYS))
+
+
+def _decode_fit(problem, device: DeviceLimits) -> Optional[BlockConfig]:
+    """For a few queries per batch item over many keys (decoding) on too few blocks to fill the GPU: the
+    CUDA-core kernel with 8- or 16-row query tiles and split keys, whatever the dtype. Such a problem is bound by
+    reading K and V, which split keys spread over every SM; the tensor cores' 64-row tiles would mostly idle."""
+    n = getattr(problem, "n", None)
+    if n is None or not 1 <= n <= DECODE_ROWS or _dtype_reasons(problem):
+        return None
+    rows = 8 if n <= 8 else 16
+    for config in CANDIDATES:
+        if config.Br == rows and not not_supported_reasons(problem, config, device, suggest=False) and \
+                accumulator_words(problem, config) <= ACC_REGISTER_TARGET:
+            return config if key_splits(problem, config, device) > 1 else None
+    return None
+
+
 def choose(workload, device: DeviceLimits) -> BlockConfig:
     """The heuristic's configuration for (dtype, d, e) on `device`: the tensor-core kernel where it runs
-    (float16/bfloat16 on compute capability 8.0+), else the CUDA-core kernel; ValueError when none fits."""
+    (float16/bfloat16 on compute capability 8.0+), else the CUDA-core kernel; ValueError when none fits. Given a
+    Problem (n, m and the batch known), decoding-shaped problems take the CUDA-core kernel with split keys."""
+    decode = _decode_fit(workload, device)
+    if decode is not None:
+        return decode
     fast = tensorcore.first_fit(workload, device)
     if fast is not None:
         return fast

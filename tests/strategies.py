@@ -74,9 +74,10 @@ def batch_shapes(draw, max_dims=2):
 
 @st.composite
 def cases(draw, dtypes=FLOAT_DTYPES, lengths=LENGTHS, head_dims=HEAD_DIMS, mixed_dtypes=True,
-          masks=True, biases=True, windows=True, views=VIEWS, max_batch_dims=2):
+          masks=True, biases=True, windows=True, views=VIEWS, max_batch_dims=2, key_lengths=None):
+    """key_lengths: where m is drawn from (default: lengths, like n)."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    n, m = draw(st.sampled_from(lengths)), draw(st.sampled_from(lengths))
+    n, m = draw(st.sampled_from(lengths)), draw(st.sampled_from(key_lengths or lengths))
     d, e = draw(st.sampled_from(head_dims)), draw(st.sampled_from(head_dims))
     dtype = draw(st.sampled_from(dtypes))
     q_dtype = k_dtype = v_dtype = dtype

@@ -143,6 +143,32 @@ class ndarray:
     def __repr__(self):
         return f"shim.ndarray({self._a!r}, device={self._device_id})"
 
+    def max(self, axis=None, out=None, keepdims=False):
+        return self._wrap(self._a.max(axis=axis, keepdims=keepdims))
+
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False):
+        return self._wrap(self._a.sum(axis=axis, dtype=dtype, keepdims=keepdims))
+
+    def __neg__(self):
+        return self._wrap(-self._a)
+
+
+def _elementwise(function):
+    """A CuPy ufunc: arrays of one device (the current one for scalars alone), no host arrays."""
+    def apply(*args):
+        if any(isinstance(x, np.ndarray) for x in args):
+            raise TypeError("Unsupported type <class 'numpy.ndarray'>")
+        _same_device(*args)
+        device = next((x._device_id for x in args if isinstance(x, ndarray)), _State.current)
+        return ndarray(np.asarray(function(*(_unwrap(x) for x in args))), device)
+    return apply
+
+
+for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge"):
+    _op = getattr(operator, _name)
+    setattr(ndarray, f"__{_name}__", _elementwise(_op))
+    if _name in ("add", "sub", "mul", "truediv"):
+        setattr(ndarray, f"__r{_name}__", _elementwise(lambda a, b, _op=_op: _op(b, a)))
 
 ndarray.__module__ = "cupy"  # what the front door routes by
 
@@ -360,6 +386,9 @@ def make_shim():
     for name in ("ndarray", "asarray", "asnumpy", "empty", "zeros", "broadcast_to", "ascontiguousarray",
                  "may_share_memory", "copyto", "RawModule", "RawKernel"):
         setattr(shim, name, globals()[name])
+    for name in ("where", "exp", "log"):
+        setattr(shim, name, _elementwise(getattr(np, name)))
+    shim.inf = np.inf
     for name in ("bool_", "float16", "float32", "float64", "int32", "int64"):
         setattr(shim, name, getattr(np, name))
     shim.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
@@ -439,6 +468,14 @@ def test_head_dims_past_the_largest_tile(cupy):
     check_case(case, backend="cupy", to_device=cupy.asarray)
     names = [launch[0] for launch in _State.launches[-3:]]
     assert names == ["cuflash::fwd<float, 16, 32, 512, 512, 8, true>"] * 3
+
+
+def test_split_keys_for_decoding(cupy):
+    """One query per head over many keys: split keys, partial results in float32 scratch, merged with CuPy ops."""
+    case = _case((F16,) * 3, ((2, 2, 1, 64), (2, 1, 1500, 64), (2, 1, 1500, 64)), {"causal": True})
+    check_case(case, backend="cupy", to_device=cupy.asarray)
+    name, grid, *_ = _State.launches[-1]
+    assert name == "cuflash::fwd<__half, 8, 32, 64, 64, 4, false, float>" and grid[0] == 2  # 2 splits x 1 tile
 
 
 def test_mask_bias_window_and_grouped_query_heads(cupy):

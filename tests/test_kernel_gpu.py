@@ -51,6 +51,14 @@ def test_block_configurations(case):
         check_case(case, backend="cupy", to_device=to_device, block=block)
 
 
+@given(cases(dtypes=DTYPES, lengths=(1, 5, 16), key_lengths=(1030, 5000), head_dims=(16, 64, 128),
+             max_batch_dims=1))
+@settings(max_examples=20)
+def test_split_keys(case):
+    """Decoding shapes: few blocks, many keys, so the key axis is split and the partial results merged."""
+    check_case(case, backend="cupy", to_device=to_device)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("d, e", [(300, 512), (1030, 600)])
 def test_any_head_dim(dtype, d, e):

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 import cuflash
 import cuflash.simt
 from cuflash import BlockConfig, launch, tiling
+from cuflash.backends import simt
 from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
 from strategies import Case, cases
@@ -48,6 +49,34 @@ def test_any_head_dim(case):
 def test_narrow_head_tiles(case):
     """A head tile of 32, as a small GPU's plan may take: d in slices and e in column blocks with tails."""
     check_case(case, backend="simt", block=BlockConfig(8, 16, 4, head_tile=32))
+
+
+@given(cases(lengths=(1, 5, 16), key_lengths=(1030, 2100), head_dims=(1, 16, 64), max_batch_dims=1))
+@settings(max_examples=12)
+def test_split_keys(case):
+    """Few queries over many keys, too few blocks to fill the GPU: the key axis is split (flash-decoding) and
+    the partial results merged; masks, windows and empty splits cross the split boundaries."""
+    check_case(case, backend="simt")
+
+
+def test_split_keys_launch_and_hidden_values():
+    rng = np.random.default_rng(9)
+    q, k, v = rand(rng, (2, 1, 3, 64), np.float16), rand(rng, (2, 1, 2000, 64), np.float16), \
+        rand(rng, (2, 1, 2000, 64), np.float16)
+    mask = rng.random((3, 2000)) < 0.5
+    mask[:, 600:1400] = False  # whole splits see nothing
+    mask[1] = False  # a row no split sees
+    k[..., 700:800, :], v[..., 900:1000, :] = np.nan, np.inf  # hidden non-finite values never leak
+    problem, out, lse = problem_and_outputs(q, k, v, mask=mask)
+    config = tiling.resolve(None, problem, simt.DEVICE)
+    splits = tiling.key_splits(problem, config, simt.DEVICE)
+    assert (config.Br, config.variant, splits) == (8, "fma", 3)  # 2 blocks; 2000 // 512 splits at most
+    keys, count = launch.split_keys(2000, splits, config.Bc)
+    assert (keys, count) == (672, 3)
+    out, lse = cuflash.attention(q, k, v, mask=mask, backend="simt", return_lse=True)
+    assert (out[:, :, 1] == 0).all() and np.isneginf(lse[:, :, 1]).all()
+    assert np.isfinite(out.astype(np.float64)).all()
+    assert_accurate(out, q, k, v, lse=lse, mask=mask)
 
 
 def test_wide_e_is_split_into_column_blocks():

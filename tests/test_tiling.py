@@ -100,6 +100,28 @@ def test_head_tiles():
     assert reason.startswith("head_tile=64 is a setting of the CUDA-core kernel")
 
 
+def test_key_splits_and_the_decoding_choice():
+    from types import SimpleNamespace as Shape
+    h100 = DeviceLimits.known("H100")  # 132 SMs
+
+    def problem(n, m, batch_size, dtype=F16, d=128):
+        return Shape(dtype=dtype, d=d, e=d, n=n, m=m, batch_size=batch_size)
+
+    one_query = problem(1, 32768, 16)
+    config = choose(one_query, h100)
+    assert config == BlockConfig(8, 32, 4)  # the CUDA-core kernel, 8-row tiles, not the tensor cores
+    assert tiling.key_splits(one_query, config, h100) == 9  # 16 blocks -> 144 with ceil(132 / 16) splits
+    assert tiling.key_splits(problem(1, 1500, 16), config, h100) == 2  # each split at least 512 keys
+    assert tiling.key_splits(problem(1, 1000, 16), config, h100) == 1
+    assert choose(problem(12, 32768, 4), h100).Br == 16
+    # Enough blocks already, more than 16 queries, or too few keys: the usual choice, no split.
+    assert choose(problem(1, 32768, 132), h100).variant == "mma"
+    assert choose(problem(17, 32768, 4), h100).variant == "mma"
+    assert choose(problem(1, 1000, 4), h100).variant == "mma"
+    assert tiling.key_splits(problem(64, 32768, 4), BlockConfig.mma(64, 64), h100) == 1  # tensor cores: never
+    assert choose(Workload(F16, 128, 128), h100).variant == "mma"  # no n, m or batch: no decoding choice
+
+
 def test_resolve_tuple_and_config():
     device = DeviceLimits.known("A100")
     w = Workload(F32, 64, 64)

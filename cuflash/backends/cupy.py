@@ -59,7 +59,7 @@ def run(problem, out, lse, block=None):
         def get_kernel(name, shared_mem):
             return kernel(device.id, name, shared_mem, limits, check_spills=chosen)
 
-        launch.run(problem, out, lse, config, get_kernel)
+        launch.run(problem, out, lse, config, get_kernel, tiling.key_splits(problem, config, limits))
 
 
 def kernel(device_id: int, name: str, shared_mem: int, limits, check_spills=True):

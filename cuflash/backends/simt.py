@@ -26,7 +26,7 @@ def unavailable():
 
 def run(problem, out, lse, block=None):
     config = tiling.resolve(block, problem, DEVICE)
-    launch.run(problem, out, lse, config, get_kernel)
+    launch.run(problem, out, lse, config, get_kernel, tiling.key_splits(problem, config, DEVICE))
 
 
 def get_kernel(name: str, shared_mem: int):

@@ -9,7 +9,8 @@
 // Template: T element type (__half, __nv_bfloat16, float, double); Br, Bc tile sizes; D, E buckets (they size
 // shared memory and registers; the actual d, e are run-time arguments and tails are zero-filled by predicated
 // loads). A d above D is swept in D-wide slices (Sliced true); e is at most E (the launch splits a wider e into
-// column blocks, each its own launch). Warps per block.
+// column blocks, each its own launch). Warps per block. O, the output's type: T, or the accumulator's for the
+// partial results of split keys.
 #pragma once
 
 #include "tile.cuh"
@@ -39,10 +40,15 @@ struct ForwardShared {
 // The bias comes in the accumulator type (the launch casts the un-broadcast original once).
 enum ForwardFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32 };
 
-// What a block of either forward kernel reads of the launch for its batch item b: every operand's base offset and
-// strides (references into the geometry table, read where used), the diagonal offset m - n (bottom-right aligned)
-// and which optional operands exist. Each kernel returns for b >= g.batch_count first: such a b has no offsets.
+// What a block of either forward kernel reads of the launch: its query tile (rows [i0, i0 + rows)), the keys it
+// sweeps, every operand's base offset for its batch item and strides (references into the geometry table, read
+// where used), the diagonal offset m - n (bottom-right aligned) and which optional operands exist. Each kernel
+// returns for b >= g.batch_count first: such a b has no offsets.
+struct KeyRange { long long begin, end; };
 struct BlockOperands {
+    long long i0;
+    int rows;
+    KeyRange keys;
     BatchOffsets base;
     const OperandStrides &q, &k, &v, &mask, &bias, &out, &lse;
     long long offset;
@@ -52,19 +58,8 @@ struct BlockOperands {
 // The launch spreads the batch over gridDim.y x gridDim.z.
 __device__ __forceinline__ long long batch_item() { return blockIdx.y + (long long)gridDim.y * blockIdx.z; }
 
-__device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long long b, long long n, long long m,
-                                                        int flags) {
-    return {batch_offsets(g, b), g.op[kQ], g.op[kK], g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse],
-            m - n, (flags & kHasMask) != 0, (flags & kHasBias) != 0};
-}
-
-// In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,
-// so a NaN or inf in a hidden value row never reaches the output through 0 * inf.
-template <typename A> __device__ __forceinline__ A hidden_p() { return A(-1); }
-
 // Keys [begin, end) that any of the query rows [i0, i1) can see. left/right are the window's reach (the launch
 // passes n + m + 1 for an unbounded side); offset = m - n aligns the diagonal bottom-right.
-struct KeyRange { long long begin, end; };
 __device__ __forceinline__ KeyRange key_range(long long i0, long long i1, long long m, long long offset,
                                               long long left, long long right) {
     const long long begin = max_ll(0, i0 + offset - left);
@@ -72,16 +67,40 @@ __device__ __forceinline__ KeyRange key_range(long long i0, long long i1, long l
     return {begin, max_ll(begin, end)};
 }
 
+// gridDim.x holds (key splits) x (query tiles) blocks: this block's tile and split. A split sweeps only its share
+// of the keys and writes its partial out and lse at its own place (the launch code combines the splits).
+template <int Br>
+__device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long long b, long long n, long long m,
+                                                        long long left, long long right, int flags) {
+    const long long tiles = max_ll(1, (n + Br - 1) / Br), split = blockIdx.x / tiles;
+    const long long i0 = (blockIdx.x % tiles) * Br;
+    const int rows = (int)min_ll(Br, n - i0);
+    KeyRange keys = key_range(i0, i0 + rows, m, m - n, left, right);
+    BatchOffsets base = batch_offsets(g, b);
+    if (g.split_keys > 0) {
+        keys.begin = max_ll(keys.begin, split * g.split_keys);
+        keys.end = max_ll(keys.begin, min_ll(keys.end, (split + 1) * g.split_keys));
+        base.of[kOut] += split * g.split_out;
+        base.of[kLse] += split * g.split_lse;
+    }
+    return {i0, rows, keys, base, g.op[kQ], g.op[kK], g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse],
+            m - n, (flags & kHasMask) != 0, (flags & kHasBias) != 0};
+}
+
+// In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,
+// so a NaN or inf in a hidden value row never reaches the output through 0 * inf.
+template <typename A> __device__ __forceinline__ A hidden_p() { return A(-1); }
+
 // True when the window hides no key of rows [i0, i1) x keys [j0, j1).
 __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, long long j0, long long j1,
                                                    long long offset, long long left, long long right) {
     return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
 }
 
-template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false>
+template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, typename O = T>
 __global__ void __launch_bounds__(Warps * 32, 1)
 fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const bool* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias, T* __restrict__ out,
+    const bool* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias, O* __restrict__ out,
     typename AccOf<T>::type* __restrict__ lse, const long long* __restrict__ geometry,
     long long n, long long m, long long d, long long e, typename AccOf<T>::type scale_log2,
     long long left, long long right, int flags) {
@@ -102,11 +121,10 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands(g, b, n, m, flags);
-
+    const BlockOperands ops = block_operands<Br>(g, b, n, m, left, right, flags);
+    const long long i0 = ops.i0;
+    const int rows = ops.rows;
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
-    const long long i0 = (long long)blockIdx.x * Br;
-    const int rows = (int)min_ll(Br, n - i0);
 
     // With d <= D (Sliced false), Q_i is loaded once, here. A wider d is swept in D-wide slices, and Q_i's slices
     // are reloaded with every key tile (from L2, mostly). A compile-time choice: the slice loop costs registers.
@@ -125,9 +143,8 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         for (int c = 0; c < EPT; ++c) O_i[a][c] = Acc(0);
     }
 
-    const KeyRange keys = key_range(i0, i0 + rows, m, ops.offset, left, right);
-    for (long long j0 = keys.begin; j0 < keys.end; j0 += Bc) {
-        const int cols = (int)min_ll(Bc, keys.end - j0);
+    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc) {
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
 
         // S_ij = q_i . k_j (scaled into the log2 domain below), one D-wide slice of the head dimension at a time.
         Acc S[RPT][CPT];
@@ -243,7 +260,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             const int col = tx + TC * c;
             if (col < e)
                 out[ops.base.of[kOut] + i * ops.out.row + col * ops.out.col] =
-                    from_acc<T>(nothing_visible ? Acc(0) : O_i[a][c] / l_i[a]);
+                    from_acc<O>(nothing_visible ? Acc(0) : O_i[a][c] / l_i[a]);
         }
         if ((flags & kWantLse) && tx == 0)
             lse[ops.base.of[kLse] + i * ops.lse.row] =

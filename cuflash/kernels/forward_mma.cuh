@@ -71,13 +71,13 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands(g, b, n, m, flags);
+    const BlockOperands ops = block_operands<Br>(g, b, n, m, left, right, flags);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // first row of this warp's m16 tiles within Q_i
-    const long long i0 = (long long)blockIdx.x * Br;
-    const int rows = (int)min_ll(Br, n - i0);
-    const KeyRange keys = key_range(i0, i0 + rows, m, ops.offset, left, right);
+    const long long i0 = ops.i0;
+    const int rows = ops.rows;
+    const KeyRange keys = ops.keys;
     const int tiles = (int)((keys.end - keys.begin + Bc - 1) / Bc);
 
     // K_j and V_j of key tile `tile` into pipeline stage tile % Stages.

@@ -74,6 +74,9 @@ struct Geometry {
     long long batch_count, rank;
     long long shape[kMaxBatchDims];
     OperandStrides op[kOperands];
+    // Split keys (flash-decoding; 0: none): split s of the key axis sweeps keys [s * split_keys, (s + 1) *
+    // split_keys) and writes its partial out and lse split_out and split_lse elements past split 0's.
+    long long split_keys, split_out, split_lse;
 };
 
 struct BatchOffsets { long long of[kOperands]; };
