@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,7 +26,9 @@ HEAD_DIMS = (16, 64, 128, 256, 512)
 
 
 def chosen(arch: str, head_dims=HEAD_DIMS):
-    """{name expression: (workload, config, model shared memory)} the FMA heuristic picks on arch's device."""
+    """{name expression: (workload, config, model shared memory)} the FMA heuristic picks on arch's device, and
+    what it picks for decoding (one query per head over 32k keys: split keys, partial results in the
+    accumulator type)."""
     device = tiling.DeviceLimits.known(ARCH_DEVICES[arch])
     result = {}
     for dtype in FLOATS:
@@ -34,8 +37,12 @@ def chosen(arch: str, head_dims=HEAD_DIMS):
             try:
                 config = tiling.resolve("fma", w, device)
             except ValueError:
-                continue  # head dim above the dtype's limit, or nothing fits this device
+                continue  # nothing fits this device
             result[launch.kernel_name(w, config)] = (w, config, tiling.shared_memory_bytes(w, config))
+            decoding = SimpleNamespace(dtype=dtype, d=d, e=d, n=1, m=1 << 15, batch_size=1)
+            config = tiling.choose(decoding, device)
+            if tiling.key_splits(decoding, config, device) > 1:
+                result[launch.kernel_name(w, config, split=True)] = (w, config, tiling.shared_memory_bytes(w, config))
     return result
 
 

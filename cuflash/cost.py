@@ -246,7 +246,8 @@ def _tile_walk(n: int, m: int, Br: int, Bc: int, causal: bool, window: Window) -
 def kernel_traffic(batch: int, n: int, m: int, d: int, e: Optional[int] = None, *, itemsize: int = 2,
                    Br: int = 128, Bc: int = 64, causal: bool = False, window: Window = None,
                    lse: bool = True, mask_itemsize: int = 0, bias_itemsize: int = 0,
-                   d_slice: Optional[int] = None, e_block: Optional[int] = None) -> Traffic:
+                   d_slice: Optional[int] = None, e_block: Optional[int] = None, splits: int = 1,
+                   acc_itemsize: int = 4) -> Traffic:
     """What our forward kernel loads and stores for `batch` problems tiled Br x Bc.
 
     Q is loaded and O stored once; each query tile loads the K and V tiles it visits (ceil(n/Br) passes
@@ -257,17 +258,22 @@ def kernel_traffic(batch: int, n: int, m: int, d: int, e: Optional[int] = None, 
     Head dimensions past the CUDA-core kernel's tiles (d_slice, e_block: its D and E; None: no limit): a d above
     d_slice reloads Q with every key tile visited, and an e above e_block takes ceil(e / e_block) launches, each
     loading Q, K, mask and bias again (V and O are split between them, lse is written by the first).
+
+    Split keys (splits > 1, decoding): each split writes a partial O and lse in the accumulator type
+    (acc_itemsize), which the merge reads back; K and V are still read once per query tile, split among the
+    splits.
     """
     e = d if e is None else e
     walk = _tile_walk(n, m, Br, Bc, causal, window)
     blocks = -(-e // e_block) if e_block and e > e_block else 1
     q_rows = walk.query_rows_per_tile if d_slice and d > d_slice else n
+    parts = 2 * splits * batch * n * acc_itemsize if splits > 1 else 0  # written, then read by the merge
     return Traffic(
         q=blocks * batch * q_rows * d * itemsize,
         k=blocks * batch * walk.key_rows * d * itemsize,
         v=batch * walk.key_rows * e * itemsize,
-        o=batch * n * e * itemsize,
-        lse=batch * n * 4 if lse else 0,
+        o=batch * n * e * itemsize + parts * e,
+        lse=(batch * n * 4 if lse else 0) + parts,
         mask=blocks * batch * walk.tile_elems * mask_itemsize,
         bias=blocks * batch * walk.tile_elems * bias_itemsize,
     )

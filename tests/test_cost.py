@@ -216,6 +216,11 @@ def test_kernel_traffic_equals_brute_tile_walk(n, m, br, bc, causal, window, bat
                                  mask_itemsize=1, bias_itemsize=4, d_slice=2, e_block=2)
     assert sliced == cost.Traffic(q=2 * batch * query_rows * d * size, k=2 * t.k, v=t.v, o=t.o, lse=t.lse,
                                   mask=2 * t.mask, bias=2 * t.bias)
+    # split keys: partial O and lse (float32) written and read back once per split
+    split = cost.kernel_traffic(batch, n, m, d, e, itemsize=size, Br=br, Bc=bc, causal=causal, window=window,
+                                mask_itemsize=1, bias_itemsize=4, splits=3)
+    assert split == cost.Traffic(q=t.q, k=t.k, v=t.v, o=t.o + 2 * 3 * batch * n * e * 4,
+                                 lse=t.lse + 2 * 3 * batch * n * 4, mask=t.mask, bias=t.bias)
     least = cost.compulsory_traffic(batch, n, m, d, e, itemsize=size, Br=br, Bc=bc, causal=causal, window=window,
                                     mask_itemsize=1, bias_itemsize=4, kv_copies=1, mask_copies=1)
     assert least.k == distinct * d * size and least.mask == elems and least.bias == batch * elems * 4
