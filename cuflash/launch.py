@@ -42,9 +42,11 @@ def kernel_name(workload, config: BlockConfig, split: bool = False) -> str:
         return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
                 f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
     D, E = fma_buckets(workload, config)
-    sliced = workload.d > D  # d swept in D-wide slices
-    extra = f", {str(sliced).lower()}, {C_TYPES[acc_dtype_of(workload.dtype).name]}" if split else \
-        (", true" if sliced else "")
+    sliced = "true" if workload.d > D else "false"  # d swept in D-wide slices
+    if split:  # Sliced spelled out, then the partial results' type O
+        extra = f", {sliced}, {C_TYPES[acc_dtype_of(workload.dtype).name]}"
+    else:
+        extra = ", true" if sliced == "true" else ""
     return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}{extra}>"
 
 
