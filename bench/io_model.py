@@ -5,7 +5,9 @@
     python bench/io_model.py --tiny           # the CI mode: seconds, plots into a temporary folder
 
 The seed's tables come out digit for digit as the seed printed them (its GB and MB are GiB and MiB).
-Our tables use the kernel's tiling Br x Bc, given here by --br/--bc until the planner can be asked.
+Our tables use the tiling Br x Bc that the planner (cuflash.tiling.choose) picks for the seed's setting
+(float16, d = 128) on --gpu (default H100), or --br/--bc; one table shows the planner's pick on every GPU
+it knows, with the shared memory that tiling takes and the traffic it causes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cuflash import cost  # noqa: E402
+import numpy as np  # noqa: E402
+
+from cuflash import cost, tiling  # noqa: E402
 
 HEADS, D, DTYPE_BYTES = cost.SEED_HEADS, cost.SEED_D, cost.SEED_DTYPE_BYTES
 MEMORY_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -168,8 +172,43 @@ def smem_limit_table(blocks=cost.SEED_BLOCKS) -> str:
     return "\n".join(lines)
 
 
+SEED_WORKLOAD = tiling.Workload(np.dtype(np.float16), D, D)
+
+
+def planner_tiling(gpu: str):
+    """The planner's configuration for the seed's setting (float16, d = 128) on a known GPU."""
+    return tiling.choose(SEED_WORKLOAD, tiling.DeviceLimits.known(gpu))
+
+
+def planner_table(n: int = 4096) -> str:
+    """What the planner picks on each known GPU, its shared memory, and the traffic that tiling causes."""
+    lines = [
+        f"=== The planner's tiling per GPU ({HEADS} heads, d={D}, fp16, n = m = {n:,}; traffic in GiB) ===",
+        f"{'GPU':<18}{'kernel':>7}{'Br x Bc':>10}{'warps':>6}{'smem KiB':>10}{'of KiB':>8}{'Our loads':>11}"
+        f"{'Causal':>8}{'K/V passes':>12}",
+        "-" * 90,
+    ]
+    for device in tiling.KNOWN:
+        config = tiling.choose(SEED_WORKLOAD, device)
+        smem = tiling.shared_memory_bytes(SEED_WORKLOAD, config)
+        walk = dict(Br=config.Br, Bc=config.Bc)
+        loads = cost.kernel_traffic(HEADS, n, n, D, **walk).total / cost.GiB
+        causal = cost.kernel_traffic(HEADS, n, n, D, causal=True, **walk).total / cost.GiB
+        passes = f"{cost.kv_passes(n, n, config.Br, config.Bc):.0f} / " \
+                 f"{cost.kv_passes(n, n, config.Br, config.Bc, causal=True):.1f}"
+        lines.append(f"{device.name:<18}{config.variant:>7}{f'{config.Br} x {config.Bc}':>10}{config.warps:>6}"
+                     f"{smem / cost.KiB:>10.1f}{device.smem_per_block // cost.KiB:>8}{loads:>11.3f}"
+                     f"{causal:>8.3f}{passes:>12}")
+    lines += [
+        "The seed's traffic table reads K and V once; a kernel reads them once per query tile it visits, so a",
+        "GPU whose shared memory holds only smaller query tiles (Br) moves more: the tiling is the planner's,",
+        "the limit is what one block may take (the seed's 192 KB is the A100's L1 + shared memory per SM).",
+    ]
+    return "\n".join(lines)
+
+
 def our_tables(br: int, bc: int) -> str:
-    return "\n\n".join([kernel_traffic_table(br, bc), flops_table(br, bc), smem_limit_table()])
+    return "\n\n".join([kernel_traffic_table(br, bc), flops_table(br, bc), planner_table(), smem_limit_table()])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,13 +312,22 @@ def main(argv=None) -> int:
                         "with --tiny a temporary folder)")
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")
     parser.add_argument("--tiny", action="store_true", help="CI mode: small, fast plots in a temporary folder")
-    parser.add_argument("--br", type=int, default=128, help="query tile rows of our kernel (default 128)")
-    parser.add_argument("--bc", type=int, default=64, help="key tile rows of our kernel (default 64)")
+    parser.add_argument("--gpu", default="H100", help="the GPU whose planner tiling our tables use (default H100; "
+                        "any of " + ", ".join(d.name for d in tiling.KNOWN) + ")")
+    parser.add_argument("--br", type=int, help="query tile rows instead of the planner's (with --bc)")
+    parser.add_argument("--bc", type=int, help="key tile rows instead of the planner's (with --br)")
     args = parser.parse_args(argv)
+    if (args.br is None) != (args.bc is None):
+        parser.error("--br and --bc go together")
+    try:
+        config = planner_tiling(args.gpu)
+    except ValueError as exc:
+        parser.error(str(exc))
+    br, bc = (args.br, args.bc) if args.br is not None else (config.Br, config.Bc)
 
     print(seed_tables())
     print()
-    print(our_tables(args.br, args.bc))
+    print(our_tables(br, bc))
     if args.no_plots:
         return 0
     if not have_matplotlib():
@@ -289,7 +337,7 @@ def main(argv=None) -> int:
         print("\nmatplotlib is not installed: no plots (pip install matplotlib, or pass --no-plots)")
         return 0
     out = args.out or (Path(tempfile.mkdtemp(prefix="io_model-")) if args.tiny else DEFAULT_OUT)
-    paths = draw_plots(out, args.br, args.bc, args.tiny)
+    paths = draw_plots(out, br, bc, args.tiny)
     print("\nplots: " + ", ".join(str(p) for p in paths))
     return 0
 

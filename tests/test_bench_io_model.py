@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from cuflash import tiling
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "io_model.py"
 
@@ -96,6 +98,19 @@ def test_our_tables_say_where_the_seed_differs():
     block_128 = "   128     129.0" + "".join(f"{x:>14}" for x in ("NO", "NO", "yes", "NO", "NO", "yes"))
     assert block_128 in text  # V100, T4, A100, A10, L4, H100
     assert "163 KiB" in text and "192 KB" in text
+
+
+def test_our_tables_use_the_planners_tiling():
+    io_model = load_io_model()
+    table = io_model.planner_table()
+    for device in tiling.KNOWN:
+        config = tiling.choose(io_model.SEED_WORKLOAD, device)
+        row = next(line for line in table.splitlines() if line[:18].strip() == device.name)
+        assert f"{config.Br} x {config.Bc}" in row and config.variant in row
+    assert "A100                  mma  128 x 64     8     102.0     163      2.063   1.094   32 / 16.5" in table
+    t4 = run_script("--no-plots", "--gpu", "T4")
+    assert "Br=32, Bc=64" in t4  # the T4's 64 KiB hold 32-row query tiles: twice the H100's K/V passes
+    assert "Br=64, Bc=32" in run_script("--no-plots", "--br", "64", "--bc", "32")
 
 
 def test_tiny_run_prints_the_seed_and_ours():
