@@ -26,7 +26,10 @@ def unavailable():
 
 def run(problem, out, lse, block=None):
     rows_per_step, bc = tile_sizes(problem, block)
-    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step):
+    # A causal or windowed problem's row tiles are no taller than a key tile: the key tiles its window hides
+    # are skipped, and few tiles straddle its edge.
+    item_rows = min(rows_per_step, bc) if problem.windowed else rows_per_step
+    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
         o, row_lse = attend_rows(problem, index, i0, i1, bc)
         out[index + (slice(i0, i1),)] = o.astype(problem.dtype, copy=False)
         if lse is not None:
@@ -51,12 +54,13 @@ def check_block(block):
     return block_pair(block)
 
 
-def row_tiles(batch, n, rows_per_step):
+def row_tiles(batch, n, rows_per_step, item_rows=None):
     """Yield (batch index, i0, i1), the index a tuple of one int or slice per batch dim: whole trailing batch
     dims and a slice of one more, so that (items selected) * (i1 - i0) <= rows_per_step whenever a single row
-    of one item allows it."""
-    if n >= rows_per_step or not batch:
-        step = min(n, rows_per_step)
+    of one item allows it. Items of more than item_rows rows (default rows_per_step) are tiled one by one."""
+    item_rows = rows_per_step if item_rows is None else item_rows
+    if n > item_rows or n >= rows_per_step or not batch:
+        step = min(n, item_rows)
         for index in np.ndindex(*batch):
             for i0 in range(0, n, step):
                 yield index, i0, min(n, i0 + step)
@@ -81,7 +85,8 @@ def attend_rows(problem, index, i0, i1, bc):
     Returns O_i / l_i in acc dtype and the rows' lse."""
     acc = problem.acc_dtype
     rows = index + (slice(i0, i1),)
-    q_i = problem.q[rows].astype(acc)
+    q_i = problem.q[rows].astype(acc)  # a copy: scaled in place, so the scores need no pass of their own
+    q_i *= acc.type(problem.scale)
     shape = q_i.shape[:-1]
     m_i = np.full(shape, -np.inf, dtype=acc)  # running max of the scores
     l_i = np.zeros(shape, dtype=acc)  # running sum of exp(score - m_i)
@@ -99,12 +104,11 @@ def attend_rows(problem, index, i0, i1, bc):
 
 
 def tile_scores(problem, index, q_i, i0, i1, j0, j1):
-    """S_ij = scale * q_i @ k_j.T + bias, with hidden keys set to -inf by selection; and the visibility
+    """S_ij = (scale * q_i) @ k_j.T + bias, with hidden keys set to -inf by selection; and the visibility
     (None when every key of the tile is visible)."""
     acc = problem.acc_dtype
-    k_j = problem.k[index + (slice(j0, j1),)].astype(acc)
+    k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
     s_ij = np.matmul(q_i, np.swapaxes(k_j, -1, -2))
-    s_ij *= acc.type(problem.scale)
     tile = index + (slice(i0, i1), slice(j0, j1))
     if problem.bias is not None:
         s_ij += problem.bias[tile].astype(acc)
@@ -122,10 +126,11 @@ def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
     """The seed's update: new running max, rescale the old sum and output, add this tile's share."""
     m_new = np.maximum(m_i, s_ij.max(axis=-1))
     m_safe = np.where(m_new == -np.inf, 0, m_new)  # rows with nothing visible yet: exp(-inf - 0) = 0
-    p_ij = np.exp(s_ij - m_safe[..., None])
+    p_ij = np.subtract(s_ij, m_safe[..., None], out=s_ij)  # S_ij is not needed again: P_ij takes its memory
+    np.exp(p_ij, out=p_ij)
     alpha = np.exp(m_i - m_safe)
     l_new = alpha * l_i + p_ij.sum(axis=-1)
-    v_j = problem.v[index + (slice(j0, j1),)].astype(problem.acc_dtype)
+    v_j = problem.v[index + (slice(j0, j1),)].astype(problem.acc_dtype, copy=False)
     o_new = alpha[..., None] * o_i + weighted_values(p_ij, v_j, visible)
     return m_new, l_new, o_new
 
