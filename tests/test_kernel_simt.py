@@ -79,6 +79,18 @@ def test_split_keys_launch_and_hidden_values():
     assert_accurate(out, q, k, v, lse=lse, mask=mask)
 
 
+def test_split_keys_with_slices_and_column_blocks():
+    """Decoding with head dims past the largest tile: d in slices, e in column blocks, keys in splits at once."""
+    rng = np.random.default_rng(10)
+    q, k, v = rand(rng, (2, 3, 600)), rand(rng, (2, 1100, 600)), rand(rng, (2, 1100, 700))
+    problem, out, lse = problem_and_outputs(q, k, v, causal=True)
+    config = tiling.resolve(None, problem, simt.DEVICE)
+    assert tiling.key_splits(problem, config, simt.DEVICE) == 2
+    assert launch.kernel_name(problem, config, split=True) == "cuflash::fwd<float, 8, 32, 512, 512, 4, true, float>"
+    assert launch.column_blocks(problem, config) == [(0, 512), (512, 700)]
+    check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt")
+
+
 def test_wide_e_is_split_into_column_blocks():
     rng = np.random.default_rng(8)
     q, k = rand(rng, (2, 9, 70), np.float64), rand(rng, (2, 33, 70), np.float64)
