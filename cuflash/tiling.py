@@ -260,7 +260,7 @@ def _dtype_reasons(workload) -> List[str]:
 
 def _head_tile_reasons(workload, config: BlockConfig) -> List[str]:
     largest = MAX_BUCKET[np.dtype(workload.dtype).name]
-    if config.head_tile is None or config.head_tile in HEAD_DIM_BUCKETS and config.head_tile <= largest:
+    if config.head_tile is None or (config.head_tile in HEAD_DIM_BUCKETS and config.head_tile <= largest):
         return []
     allowed = ", ".join(str(b) for b in HEAD_DIM_BUCKETS if b <= largest)
     return [f"head_tile={config.head_tile} is not supported for {np.dtype(workload.dtype).name}: use one of "
@@ -342,7 +342,8 @@ def key_splits(problem, config: BlockConfig, device: DeviceLimits) -> int:
 def _decode_fit(problem, device: DeviceLimits) -> Optional[BlockConfig]:
     """For a few queries per batch item over many keys (decoding) on too few blocks to fill the GPU: the
     CUDA-core kernel with 8- or 16-row query tiles and split keys, whatever the dtype. Such a problem is bound by
-    reading K and V, which split keys spread over every SM; the tensor cores' 64-row tiles would mostly idle."""
+    reading K and V, which split keys spread over every SM; the tensor-core kernel's tiles of 64 to 128 rows would
+    mostly compute rows that do not exist, and it does not split keys."""
     n = getattr(problem, "n", None)
     if n is None or not 1 <= n <= DECODE_ROWS or _dtype_reasons(problem):
         return None
