@@ -14,7 +14,6 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from . import kernels
-from .dtypes import acc_dtype_of
 from .tiling import BlockConfig, fma_buckets
 
 C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
@@ -43,8 +42,8 @@ def kernel_name(workload, config: BlockConfig, split: bool = False) -> str:
                 f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
     D, E = fma_buckets(workload, config)
     sliced = "true" if workload.d > D else "false"  # d swept in D-wide slices
-    if split:  # Sliced spelled out, then the partial results' type O
-        extra = f", {sliced}, {C_TYPES[acc_dtype_of(workload.dtype).name]}"
+    if split:  # Sliced spelled out, then Split
+        extra = f", {sliced}, true"
     else:
         extra = ", true" if sliced == "true" else ""
     return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}{extra}>"

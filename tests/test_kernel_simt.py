@@ -86,7 +86,7 @@ def test_split_keys_with_slices_and_column_blocks():
     problem, out, lse = problem_and_outputs(q, k, v, causal=True)
     config = tiling.resolve(None, problem, simt.DEVICE)
     assert tiling.key_splits(problem, config, simt.DEVICE) == 2
-    assert launch.kernel_name(problem, config, split=True) == "cuflash::fwd<float, 8, 32, 512, 512, 4, true, float>"
+    assert launch.kernel_name(problem, config, split=True) == "cuflash::fwd<float, 8, 32, 512, 512, 4, true, true>"
     assert launch.column_blocks(problem, config) == [(0, 512), (512, 700)]
     check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt")
 

@@ -9,8 +9,8 @@
 // Template: T element type (__half, __nv_bfloat16, float, double); Br, Bc tile sizes; D, E buckets (they size
 // shared memory and registers; the actual d, e are run-time arguments and tails are zero-filled by predicated
 // loads). A d above D is swept in D-wide slices (Sliced true); e is at most E (the launch splits a wider e into
-// column blocks, each its own launch). Warps per block. O, the output's type: T, or the accumulator's for the
-// partial results of split keys.
+// column blocks, each its own launch). Warps per block. Split: the key axis is split too (flash-decoding), and out
+// holds partial results in the accumulator type.
 #pragma once
 
 #include "tile.cuh"
@@ -67,17 +67,18 @@ __device__ __forceinline__ KeyRange key_range(long long i0, long long i1, long l
     return {begin, max_ll(begin, end)};
 }
 
-// gridDim.x holds (key splits) x (query tiles) blocks: this block's tile and split. A split sweeps only its share
-// of the keys and writes its partial out and lse at its own place (the launch code combines the splits).
-template <int Br>
+// With Split, gridDim.x holds (key splits) x (query tiles) blocks: this block's tile and split. A split sweeps
+// only its share of the keys and writes its partial out and lse at its own place (the launch code combines the
+// splits). A compile-time choice, like Sliced: the split arithmetic costs the other kernels registers.
+template <int Br, bool Split>
 __device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long long b, long long n, long long m,
                                                         long long left, long long right, int flags) {
-    const long long tiles = max_ll(1, (n + Br - 1) / Br), split = blockIdx.x / tiles;
-    const long long i0 = (blockIdx.x % tiles) * Br;
+    const long long tiles = Split ? max_ll(1, (n + Br - 1) / Br) : 1, split = Split ? blockIdx.x / tiles : 0;
+    const long long i0 = (Split ? blockIdx.x % tiles : blockIdx.x) * (long long)Br;
     const int rows = (int)min_ll(Br, n - i0);
     KeyRange keys = key_range(i0, i0 + rows, m, m - n, left, right);
     BatchOffsets base = batch_offsets(g, b);
-    if (g.split_keys > 0) {
+    if constexpr (Split) {
         keys.begin = max_ll(keys.begin, split * g.split_keys);
         keys.end = max_ll(keys.begin, min_ll(keys.end, (split + 1) * g.split_keys));
         base.of[kOut] += split * g.split_out;
@@ -97,14 +98,20 @@ __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, l
     return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
 }
 
-template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, typename O = T>
+// The output's type: T, or the accumulator's for the partial results of split keys.
+template <typename T, bool Split> struct OutOf { using type = T; };
+template <typename T> struct OutOf<T, true> { using type = typename AccOf<T>::type; };
+
+template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, bool Split = false>
 __global__ void __launch_bounds__(Warps * 32, 1)
 fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-    const bool* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias, O* __restrict__ out,
+    const bool* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias,
+    typename OutOf<T, Split>::type* __restrict__ out,
     typename AccOf<T>::type* __restrict__ lse, const long long* __restrict__ geometry,
     long long n, long long m, long long d, long long e, typename AccOf<T>::type scale_log2,
     long long left, long long right, int flags) {
     using Acc = typename AccOf<T>::type;
+    using O = typename OutOf<T, Split>::type;
     using Smem = ForwardShared<T, Br, Bc, D, E>;
     constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
     constexpr int RPT = Br / RG, CPT = Bc / TC, EPT = E / TC;  // rows, score columns, output columns per thread
@@ -121,7 +128,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands<Br>(g, b, n, m, left, right, flags);
+    const BlockOperands ops = block_operands<Br, Split>(g, b, n, m, left, right, flags);
     const long long i0 = ops.i0;
     const int rows = ops.rows;
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;

@@ -71,7 +71,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands<Br>(g, b, n, m, left, right, flags);
+    const BlockOperands ops = block_operands<Br, false>(g, b, n, m, left, right, flags);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // first row of this warp's m16 tiles within Q_i
