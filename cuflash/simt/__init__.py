@@ -6,9 +6,9 @@ g++ compiles the same source NVRTC compiles, against ``cuflash_simt.h``, which r
 """
 
 from ._build import CompileError, cache_dir
-from ._module import (DEFAULT_DYNAMIC_SHARED, H100_SHARED, MEMCHECK_HINT, RACE_HINT, Function, LaunchError,
-                      RawModule, asan_loaded, available, libasan_path, libtsan_path, memcheck_env, sanitizer_env,
-                      tsan_loaded, unavailable_reason)
+from ._module import (DEFAULT_DYNAMIC_SHARED, H100_SHARED, KEEP_STACKS, MEMCHECK_HINT, RACE_HINT, Function,
+                      LaunchError, RawModule, asan_loaded, available, libasan_path, libtsan_path, memcheck_env,
+                      sanitizer_env, tsan_loaded, unavailable_reason)
 from ._source import SourceError
 
 __all__ = ["RawModule", "Function", "LaunchError", "CompileError", "SourceError", "available",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -144,6 +145,19 @@ def _resolve_schedule(seed):
 
 _libs: dict[str, ctypes.CDLL] = {}
 _libs_lock = threading.Lock()
+KEEP_STACKS = 8  # modules whose idle fiber stacks stay mapped between launches (the most recently launched)
+_launched: "OrderedDict[str, ctypes.CDLL]" = OrderedDict()
+
+
+def _keep_stacks_of(path: str, lib: ctypes.CDLL) -> None:
+    """Mark lib as just launched; unmap the idle fiber stacks of modules launched longer ago than the last
+    KEEP_STACKS, so that a process loading hundreds of modules keeps a bounded number of memory mappings."""
+    with _libs_lock:
+        _launched[path] = lib
+        _launched.move_to_end(path)
+        stale = [_launched.popitem(last=False)[1] for _ in range(len(_launched) - KEEP_STACKS)]
+    for old in stale:
+        old.cuflash_simt_unmap_idle_stacks()
 
 
 def _load(path) -> ctypes.CDLL:
@@ -156,6 +170,7 @@ def _load(path) -> ctypes.CDLL:
             lib.cuflash_simt_name.argtypes = [ctypes.c_int]
             lib.cuflash_simt_signature.restype = ctypes.c_char_p
             lib.cuflash_simt_signature.argtypes = [ctypes.c_int]
+            lib.cuflash_simt_unmap_idle_stacks.restype = None
             lib.cuflash_simt_launch.restype = ctypes.c_int
             lib.cuflash_simt_launch.argtypes = [
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong,
@@ -266,6 +281,7 @@ class Function:
         rc = self.module._lib.cuflash_simt_launch(
             self._index, argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
             self.module.max_dynamic_shared, order, seed_value, nworkers, self.module.stack_size, err, len(err))
+        _keep_stacks_of(str(self.module.library_path), self.module._lib)
         if rc:
             raise LaunchError(err.value.decode(errors="replace"))
 

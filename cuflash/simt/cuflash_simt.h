@@ -1296,6 +1296,19 @@ inline void release_stacks(StackSet* s) {
   std::lock_guard<std::mutex> g(pool_mutex());
   pool().push_back(s);
 }
+// Unmaps the stacks no launch of this module is using. Every module (one .so) keeps its own pool, two memory
+// mappings per stack (guard and stack): a process that loads hundreds of modules would run out of mappings
+// (vm.max_map_count), so the Python side calls this for the modules it has not launched lately.
+inline void unmap_idle_stacks() {
+  std::lock_guard<std::mutex> g(pool_mutex());
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  size_t guard = (kStackGuard + page - 1) / page * page;
+  for (StackSet* set : pool()) {
+    for (Stack& st : set->stacks) munmap(st.lo - guard, st.size + guard);
+    delete set;
+  }
+  pool().clear();
+}
 
 // A fiber that runs into its stack's guard page gets a message saying so before the process dies (there is
 // no safe way back into Python from there). Other faults go on to whoever handled SIGSEGV before us (Python's
@@ -1616,6 +1629,9 @@ template <class... P> inline const char* signature_of(void (*)(P...)) {
   }                                                                                                    \
   extern "C" __attribute__((visibility("default"))) const char* cuflash_simt_signature(int i) {        \
     return table[i].signature();                                                                       \
+  }                                                                                                    \
+  extern "C" __attribute__((visibility("default"))) void cuflash_simt_unmap_idle_stacks() {            \
+    ::cuflash_simt::unmap_idle_stacks();                                                               \
   }                                                                                                    \
   extern "C" __attribute__((visibility("default"))) int cuflash_simt_launch(                           \
       int i, void** args, const unsigned* grid, const unsigned* block, unsigned long long dyn,         \

@@ -262,6 +262,30 @@ def test_build_cache_and_options(tmp_path, monkeypatch):
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".build-")]  # no half-written leftovers
 
 
+def test_idle_fiber_stacks_of_modules_not_launched_lately_are_unmapped(tmp_path, monkeypatch):
+    """Each module keeps a pool of fiber stacks (two memory mappings each); only the last KEEP_STACKS modules
+    launched keep theirs, so a process that loads hundreds of modules stays far from vm.max_map_count. A module
+    whose stacks went launches again on fresh ones."""
+    monkeypatch.setenv("CUFLASH_SIMT_CACHE", str(tmp_path))
+    src = 'extern "C" __global__ void k(int* p) { p[threadIdx.x] = VALUE; }\n'
+    mods = [simt.RawModule(code=src, options=(f"-DVALUE={i}",), workers=1) for i in range(3 * simt.KEEP_STACKS)]
+
+    def maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    p = np.zeros(512, np.int32)
+    mods[0].get_function("k")((1,), (512,), (p,))
+    before = maps()
+    for i, m in enumerate(mods):
+        m.get_function("k")((1,), (512,), (p,))
+        assert (p == i).all()
+    grown = maps() - before
+    assert grown < simt.KEEP_STACKS * 2 * 512 + 600, grown  # unbounded: 24 modules x 1024 mappings
+    mods[0].get_function("k")((1,), (512,), (p,))  # its stacks were unmapped long ago
+    assert (p == 0).all()
+
+
 def test_reduction_speed(mod):
     """The issue's yardstick: 1000 blocks of 128 threads, 10 barriers per thread (prints the time)."""
     x = np.random.default_rng(3).standard_normal(1000 * 128).astype(np.float32)
