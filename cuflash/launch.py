@@ -33,13 +33,13 @@ def source() -> str:
 
 
 def kernel_name(workload, config: BlockConfig, split: bool = False) -> str:
-    """The name expression of the instantiation serving workload (dtype, d, e) with config; split: the CUDA-core
-    kernel writing partial results in the accumulator type (split keys)."""
+    """The name expression of the instantiation serving workload (dtype, d, e) with config; split: the one writing
+    partial results in the accumulator type (split keys)."""
     ctype = C_TYPES[np.dtype(workload.dtype).name]
     if config.variant == "mma":
         from . import tensorcore
         return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
-                f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}>")
+                f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}{', true' if split else ''}>")
     D, E = fma_buckets(workload, config)
     sliced = "true" if workload.d > D else "false"  # d swept in D-wide slices
     if split:  # Sliced spelled out, then Split
@@ -277,13 +277,11 @@ def combine(parts_out, parts_lse, out, lse, xp) -> None:
 
 def run(problem, out, lse, config: BlockConfig, get_kernel: Callable[[str, int], Any], splits: int = 1) -> None:
     """Launch every kernel of the problem; get_kernel(name, shared_mem) returns the compiled kernel, ready for
-    that much dynamic shared memory. With splits > 1 (the CUDA-core kernel only) the key axis is split, the
-    partial results land in scratch in the accumulator type and are combined into out and lse. A launch error
-    names the kernel and the configuration."""
+    that much dynamic shared memory. With splits > 1 the key axis is split, the partial results land in scratch
+    in the accumulator type and are combined into out and lse. A launch error names the kernel and the
+    configuration."""
     keys, count = split_keys(problem.m, splits, config.Bc) if problem.m else (0, 1)
     if count > 1:
-        if config.variant != "fma":
-            raise ValueError(f"attention: split keys need the CUDA-core kernel, not block {config}")
         xp, acc = problem.xp, problem.acc_dtype
         parts_out = xp.empty((count,) + tuple(out.shape), dtype=acc)
         parts_lse = xp.empty((count,) + tuple(out.shape[:-1]), dtype=acc)

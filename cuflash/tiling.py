@@ -328,22 +328,20 @@ def _first_fit(workload, device) -> Optional[BlockConfig]:
 
 
 def key_splits(problem, config: BlockConfig, device: DeviceLimits) -> int:
-    """How many splits of the key axis the CUDA-core kernel sweeps in parallel (flash-decoding; 1: none): when
-    the batch's query tiles are fewer blocks than the GPU has SMs, enough splits to give every SM a block, each
-    at least SPLIT_MIN_KEYS keys. Needs the problem's n, m and batch size."""
-    if config.variant != "fma":
-        return 1
+    """How many splits of the key axis either kernel sweeps in parallel (flash-decoding; 1: none): when the
+    batch's query tiles leave at least half the GPU's SMs without a block, as many splits as one wave of blocks
+    holds, each at least SPLIT_MIN_KEYS keys. Needs the problem's n, m and batch size."""
     blocks = -(-problem.n // config.Br) * problem.batch_size
-    if blocks == 0 or blocks >= device.sm_count:
+    if blocks == 0 or 2 * blocks > device.sm_count:
         return 1
-    return max(1, min(-(-device.sm_count // blocks), problem.m // SPLIT_MIN_KEYS))
+    return max(1, min(device.sm_count // blocks, problem.m // SPLIT_MIN_KEYS))
 
 
 def _decode_fit(problem, device: DeviceLimits) -> Optional[BlockConfig]:
     """For a few queries per batch item over many keys (decoding) on too few blocks to fill the GPU: the
     CUDA-core kernel with 8- or 16-row query tiles and split keys, whatever the dtype. Such a problem is bound by
     reading K and V, which split keys spread over every SM; the tensor-core kernel's tiles of 64 to 128 rows would
-    mostly compute rows that do not exist, and it does not split keys."""
+    mostly compute rows that do not exist."""
     n = getattr(problem, "n", None)
     if n is None or not 1 <= n <= DECODE_ROWS or _dtype_reasons(problem):
         return None

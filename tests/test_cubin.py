@@ -63,11 +63,13 @@ pytestmark = [
 
 
 def chosen(arch):
-    """(workload, config) the dispatcher picks per head dim and dtype on the arch's GPU: every d for float16,
-    a few for bfloat16 (the same code but for the mma's type)."""
+    """(workload, config, split) the dispatcher picks per head dim and dtype on the arch's GPU: every d for
+    float16, a few for bfloat16 (the same code but for the mma's type), and two with split keys (float partial
+    results written from the fragments)."""
     device = GPUS[arch]
     pairs = [Workload(F16, d, d) for d in HEAD_DIMS] + [Workload(BF16, d, d) for d in (64, 128, 256)]
-    return [(w, tiling.choose(w, device)) for w in pairs]
+    return [(w, tiling.choose(w, device), False) for w in pairs] + \
+        [(w, tiling.choose(w, device), True) for w in (Workload(F16, 64, 64), Workload(F16, 128, 128))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +77,7 @@ def build(arch):
     """{name expression: (SASS text, ptxas usage)} for every chosen configuration, from one NVRTC program."""
     from cuflash import nvrtc
 
-    names = sorted({launch.kernel_name(w, c) for w, c in chosen(arch)})
+    names = sorted({launch.kernel_name(w, c, split) for w, c, split in chosen(arch)})
     cubin, log, lowered = nvrtc.compile_program(launch.source(), names, arch)
     usage = nvrtc.parse_ptxas(log)
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,8 +105,8 @@ def opcodes(text: str):
 def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch):
     kernels = build(arch)
     rows = []
-    for workload, config in chosen(arch):
-        name = launch.kernel_name(workload, config)
+    for workload, config, split in chosen(arch):
+        name = launch.kernel_name(workload, config, split)
         sass, usage, _ = kernels[name]
         ops = opcodes(sass)
         assert config.variant == "mma", (workload, config)
@@ -116,7 +118,7 @@ def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch)
         smem = tensorcore.shared_memory_bytes(workload, config)
         assert smem <= GPUS[arch].smem_per_block
         rows.append(f"{arch}  {np.dtype(workload.dtype).name:8} d={workload.d:<3}  {str(config):38} "
-                    f"{usage.registers:3} registers  {smem / 1024:6.1f} KiB shared")
+                    f"{'split' if split else '':5} {usage.registers:3} registers  {smem / 1024:6.1f} KiB shared")
     print("\n" + "\n".join(rows))
 
 

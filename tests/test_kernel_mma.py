@@ -42,6 +42,30 @@ def test_matches_reference(case):
     check_case(case, backend="simt", block="mma")
 
 
+@given(cases(dtypes=HALVES, lengths=(17, 64, 150), key_lengths=(1030, 2100), head_dims=(32, 59, 64),
+             mixed_dtypes=False, max_batch_dims=1))
+@settings(max_examples=10)
+def test_split_keys(case):
+    """Too few query tiles to fill the GPU: the tensor-core kernel splits the key axis as well, writes float
+    partial results from its fragments, and they are merged; masks, windows and empty splits included."""
+    check_case(case, backend="simt", block="mma")
+
+
+def test_split_keys_launch():
+    rng = np.random.default_rng(11)
+    q, k, v = rand(rng, (1, 100, 64), F16), rand(rng, (1, 2000, 64), F16), rand(rng, (1, 2000, 40), F16)
+    problem, out, lse = problem_and_outputs(q, k, v, causal=True)
+    config = tiling.resolve("mma", problem, H100)
+    assert tiling.key_splits(problem, config, H100) == 3  # one query tile; 2000 // 512 splits at most
+    keys, count = launch.split_keys(problem.m, 3, config.Bc)
+    parts_out, parts_lse = np.empty((count, 1, 100, 40), np.float32), np.empty((count, 1, 100), np.float32)
+    split = launch.KeySplit(keys, count, parts_out[0].size, parts_lse[0].size)
+    (only,) = launch.launches(problem, parts_out[0], parts_lse[0], config, split)
+    assert only.name.endswith(", 2, true>") and only.grid[0] == 3
+    out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", block="mma", return_lse=True)
+    assert_accurate(out, q, k, v, lse=lse, causal=True)
+
+
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
 def test_native_head_dims(d):
     """Each bucket once, with a window straddling tiles, a key tail and rows past n in the last tile."""
@@ -223,6 +247,10 @@ assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
 qb, kb, vb = r((3, 29, 64), ml_dtypes.bfloat16), r((3, 70, 64), ml_dtypes.bfloat16), r((3, 70, 64), ml_dtypes.bfloat16)
 out = cuflash.attention(qb, kb, vb, causal=True, backend="simt", block=BlockConfig.mma(64, 32, 2))
 assert_accurate(out, qb, kb, vb, causal=True)
+# split keys: float partial results written from the fragments, a ragged last split, a strided value dim
+qs, ks, vs = r((1, 20, 32)), r((1, 1100, 32)), r((1, 1100, 2 * 19))[..., ::2]
+out, lse = cuflash.attention(qs, ks, vs, backend="simt", block="mma", return_lse=True)
+assert_accurate(out, qs, ks, vs, lse=lse)
 print("memcheck ok")
 """
 

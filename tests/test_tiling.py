@@ -110,7 +110,7 @@ def test_key_splits_and_the_decoding_choice():
     one_query = problem(1, 32768, 16)
     config = choose(one_query, h100)
     assert config == BlockConfig(8, 32, 4)  # the CUDA-core kernel, 8-row tiles, not the tensor cores
-    assert tiling.key_splits(one_query, config, h100) == 9  # 16 blocks -> 144 with ceil(132 / 16) splits
+    assert tiling.key_splits(one_query, config, h100) == 8  # 16 blocks -> 128: one wave on 132 SMs
     assert tiling.key_splits(problem(1, 1500, 16), config, h100) == 2  # each split at least 512 keys
     assert tiling.key_splits(problem(1, 1000, 16), config, h100) == 1
     assert choose(problem(12, 32768, 4), h100).Br == 16
@@ -118,7 +118,9 @@ def test_key_splits_and_the_decoding_choice():
     assert choose(problem(1, 32768, 132), h100).variant == "mma"
     assert choose(problem(17, 32768, 4), h100).variant == "mma"
     assert choose(problem(1, 1000, 4), h100).variant == "mma"
-    assert tiling.key_splits(problem(64, 32768, 4), BlockConfig.mma(64, 64), h100) == 1  # tensor cores: never
+    assert tiling.key_splits(problem(64, 32768, 4), BlockConfig.mma(64, 64), h100) == 33  # tensor cores too
+    assert tiling.key_splits(problem(1024, 32768, 8), BlockConfig.mma(128, 64), h100) == 2  # 64 blocks
+    assert tiling.key_splits(problem(1024, 32768, 9), BlockConfig.mma(128, 64), h100) == 1  # 72: over half
     assert choose(Workload(F16, 128, 128), h100).variant == "mma"  # no n, m or batch: no decoding choice
 
 

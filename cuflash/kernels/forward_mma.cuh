@@ -16,7 +16,8 @@
 // cores with hidden keys skipped per (row, key), exactly like forward.cuh.
 //
 // Template: T element type; Br, Bc tile sizes; D, E head-dim buckets (multiples of 32 up to 256; the actual
-// d, e are run-time values, tails zero-filled); Warps per block; Stages of the K/V pipeline (2 or 3).
+// d, e are run-time values, tails zero-filled); Warps per block; Stages of the K/V pipeline (2 or 3); Split: the
+// key axis is split too (see block_operands), and out holds float partial results.
 #pragma once
 
 #include "forward.cuh"
@@ -43,10 +44,11 @@ struct MmaShared {
                                                   : p_offset + p_bytes;
 };
 
-template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Split = false>
 __global__ void __launch_bounds__(Warps * 32, 1)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-        const bool* __restrict__ mask, const float* __restrict__ bias, T* __restrict__ out,
+        const bool* __restrict__ mask, const float* __restrict__ bias,
+        typename OutOf<T, Split>::type* __restrict__ out,
         float* __restrict__ lse, const long long* __restrict__ geometry,
         long long n, long long m, long long d, long long e, float scale_log2,
         long long left, long long right, int flags) {
@@ -71,7 +73,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands<Br, false>(g, b, n, m, left, right, flags);
+    const BlockOperands ops = block_operands<Br, Split>(g, b, n, m, left, right, flags);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // first row of this warp's m16 tiles within Q_i
@@ -270,6 +272,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     __syncthreads();  // every warp is done with Q_s (and P_s): O_s takes their place
 
     // O_i / l_i into the staging tile, and lse = (m_i + log2 l_i) ln 2; a row that saw no key gives 0 and -inf.
+    // A split's partial O stays float and goes straight from the fragments to global memory (a small scratch).
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -279,16 +282,29 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             const bool nothing_visible = l == 0.0f;
             const float inv_l = nothing_visible ? 0.0f : 1.0f / l;
 #pragma unroll
-            for (int et = 0; et < ET; ++et)
-                *reinterpret_cast<unsigned*>(O_s + r * Smem::LDO + 8 * et + 2 * quad_col) =
-                    mma::pack2(O_i[mt][et][2 * h] * inv_l, O_i[mt][et][2 * h + 1] * inv_l, tag);
+            for (int et = 0; et < ET; ++et) {
+                if constexpr (Split) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int col = 8 * et + 2 * quad_col + c;
+                        if (r < rows && col < e)
+                            out[ops.base.of[kOut] + (i0 + r) * ops.out.row + col * ops.out.col] =
+                                O_i[mt][et][2 * h + c] * inv_l;
+                    }
+                } else {
+                    *reinterpret_cast<unsigned*>(O_s + r * Smem::LDO + 8 * et + 2 * quad_col) =
+                        mma::pack2(O_i[mt][et][2 * h] * inv_l, O_i[mt][et][2 * h + 1] * inv_l, tag);
+                }
+            }
             if ((flags & kWantLse) && quad_col == 0 && r < rows)
                 lse[ops.base.of[kLse] + (i0 + r) * ops.lse.row] =
                     nothing_visible ? -infinity<float>() : (m_i[mt][h] + log2f(l)) * kLn2;
         }
-    __syncthreads();
-    mma::store_tile<T, Br, E, Threads>(out + ops.base.of[kOut] + i0 * ops.out.row, ops.out.row, ops.out.col, O_s,
-                                       rows, (int)e);
+    if constexpr (!Split) {
+        __syncthreads();
+        mma::store_tile<T, Br, E, Threads>(out + ops.base.of[kOut] + i0 * ops.out.row, ops.out.row, ops.out.col,
+                                           O_s, rows, (int)e);
+    }
 }
 
 }  // namespace cuflash
