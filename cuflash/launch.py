@@ -237,11 +237,16 @@ def resident(xp, host: np.ndarray):
     key = (xp.cuda.Device().id, host.dtype.str, host.tobytes())
     array = _resident.get(key)
     if array is None:
+        stream = xp.cuda.get_current_stream()
+        if stream.is_capturing():
+            raise RuntimeError("attention: the first call with these shapes (and strides) on this device copies a "
+                               "small table to the GPU, which a CUDA graph cannot capture: make one call outside "
+                               "the capture first (a warm-up), then capture")
         if len(_resident) >= RESIDENT_LIMIT:
             _resident.pop(next(iter(_resident)))  # the oldest; its memory returns to the pool in stream order
         array = _resident[key] = xp.asarray(host)
         # The copy runs on the current stream; a later call may launch on another one, so it must have landed.
-        xp.cuda.get_current_stream().synchronize()
+        stream.synchronize()
     return array
 
 

@@ -267,8 +267,14 @@ class Stream:
         self.ptr = 0 if null else id(self)
         self.device_id = _State.current
 
+    capturing = False  # inside Stream.begin_capture() ... end_capture()
+
     def synchronize(self):
-        pass
+        if self.capturing:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing")
+
+    def is_capturing(self):
+        return self.capturing
 
 
 Stream.null = Stream(null=True)
@@ -533,6 +539,22 @@ def test_repeated_calls_copy_nothing_to_the_device(cupy):
         np.testing.assert_array_equal(cuflash.attention(q1, k1, v1).get(), first.get())
         assert _State.host_copies - copies >= 1
     assert all(array.device.id == device for (device, *_), array in launch._resident.items())
+
+
+def test_graph_capture_needs_a_warm_up_call(cupy, monkeypatch):
+    """A call with new shapes copies its geometry table to the device, which a CUDA graph cannot capture: a clear
+    error says to warm up first; after a warm-up the same call records only launches."""
+    rng = np.random.default_rng(4)
+    q, k, v = (cupy.asarray(rng.standard_normal((2, 8, 16)).astype(np.float32)) for _ in range(3))
+    monkeypatch.setattr(Stream, "capturing", True)
+    with pytest.raises(RuntimeError, match="make one call outside the capture first"):
+        cuflash.attention(q, k, v)
+    monkeypatch.setattr(Stream, "capturing", False)
+    warm = cuflash.attention(q, k, v)
+    monkeypatch.setattr(Stream, "capturing", True)
+    copies = _State.host_copies
+    np.testing.assert_array_equal(cuflash.attention(q, k, v).get(), warm.get())
+    assert _State.host_copies == copies
 
 
 def test_operands_on_another_device_run_there(cupy):
