@@ -33,6 +33,7 @@ import tracemalloc
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -417,22 +418,26 @@ def cuflash_runner(block) -> Runner:
         def call(i):
             return cuflash.attention(*arrays[i % len(arrays)], **options)
 
-        call.block = heuristic_block(point.dtype, point.d) if block is None and dev.gpu else block
+        call.block, call.splits = heuristic_plan(point) if block is None and dev.gpu else (block, None)
         return call
 
     name = "cuflash" if block is None else f"cuflash[{block[0]}x{block[1]}]"
     return Runner(name, "cuflash", "heuristic" if block is None else f"block={block[0]}x{block[1]}", prepare)
 
 
-def heuristic_block(dtype: str, d: int) -> Optional[Tuple[int, int]]:
-    """(Br, Bc) that cuflash's planner picks for this dtype and head dim on the current GPU; None if unknown."""
+def heuristic_plan(point: Point) -> Tuple[Optional[Tuple[int, int]], Optional[int]]:
+    """((Br, Bc), key splits) that cuflash's planner picks for this point on the current GPU; (None, None) if
+    unknown. The point's n, m and batch count: decoding shapes take other tiles and split keys."""
     try:
         from cuflash import tiling
 
-        config = tiling.choose(tiling.Workload(float_dtype(dtype), d, d), tiling.DeviceLimits.of())
-        return (config.Br, config.Bc)
-    except Exception:  # noqa: BLE001 - the planner's API may change; the block is only informative
-        return None
+        shape = SimpleNamespace(dtype=float_dtype(point.dtype), d=point.d, e=point.d, n=point.n, m=point.m,
+                                batch_size=point.batch * point.heads)
+        device = tiling.DeviceLimits.of()
+        config = tiling.choose(shape, device)
+        return (config.Br, config.Bc), tiling.key_splits(shape, config, device)
+    except Exception:  # noqa: BLE001 - the planner's API may change; the plan is only informative
+        return None, None
 
 
 def import_cuflash():
@@ -606,6 +611,7 @@ def measure(dev, runner: Runner, point: Point, sets: InputSets, preset: Preset, 
         try:
             call = runner.prepare(dev, point, sets)
             rec["block"] = getattr(call, "block", None)
+            rec["splits"] = getattr(call, "splits", None)
             times, rec["calls_per_sample"] = time_calls(dev, call, preset.warmup, preset.repeats, preset.budget_s)
             rows, expected = ref
             rec["max_abs_err"] = float(np.max(np.abs(sample(call(0), rows) - expected)))
@@ -876,9 +882,17 @@ def targets_table(points: List[dict]) -> List[str]:
     return lines if len(lines) > 3 else []
 
 
+def plan_note(r: dict) -> str:
+    """cuflash's tiling and key splits where the run recorded them: "128x64", "8x32, 8 splits"."""
+    block, splits = r.get("block"), r.get("splits")
+    if not block:
+        return ""
+    return f"{block[0]}x{block[1]}" + (f", {splits} splits" if splits and splits > 1 else "")
+
+
 def markdown_row(p: dict, r: dict, factor: float) -> str:
     peak = r.get("peak_bytes")
-    note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason'][:120]}".replace("|", "/")
+    note = plan_note(r) if r["status"] == "ok" else f"{r['status']}: {r['reason'][:120]}".replace("|", "/")
     cells = [p["dtype"], f"{p['batch']}×{p['heads']}", p["n"], p["m"], p["d"], "yes" if p["causal"] else "",
              r["name"], fmt(r.get("time_ms"), ".3f"), fmt(scaled(r.get("tflops"), factor), ".4g"),
              fmt(r.get("matmul_fraction"), ".2f"), fmt(r.get("vs_peer"), ".2f"),
@@ -1005,7 +1019,7 @@ def ncu_measure(out: Path, timeout: float) -> int:
     import shutil
 
     out.mkdir(parents=True, exist_ok=True)
-    chosen = heuristic_block(NCU_POINT.dtype, NCU_POINT.d) if cuda_device_count() else None
+    chosen = heuristic_plan(NCU_POINT)[0] if cuda_device_count() else None
     block = chosen or ASSUMED_BLOCK
     models = ncu_models(NCU_POINT, block)
     report = {"point": asdict(NCU_POINT), "block": list(block), "block_from": "planner" if chosen else "assumed",

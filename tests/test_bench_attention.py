@@ -342,3 +342,16 @@ def test_device_check_without_a_gpu_stops_with_a_summary(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     summary = (tmp_path / "summary.md").read_text()
     assert "no CUDA GPU here" in summary and "| step | exit | seconds | log | note |" in summary
+
+
+def test_the_planners_choice_is_recorded_per_point(monkeypatch):
+    """Decoding points get other tiles and split keys than the tensor-core targets: the record says which."""
+    from cuflash import tiling
+    h100 = tiling.DeviceLimits.known("H100")
+    monkeypatch.setattr(tiling.DeviceLimits, "of", classmethod(lambda cls, device=None: h100))
+    decoding = bench.decode("float16", 128, (32768,))[0]
+    assert bench.heuristic_plan(decoding) == ((8, 32), 8)  # 16 heads: 16 blocks, 8 splits in one wave
+    assert bench.heuristic_plan(bench.PRESETS["fa2"].points[0]) == ((128, 64), 1)
+    assert bench.plan_note({"block": (8, 32), "splits": 8}) == "8x32, 8 splits"
+    assert bench.plan_note({"block": (128, 64), "splits": 1}) == "128x64"
+    assert bench.plan_note({"block": None}) == ""
