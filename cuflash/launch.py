@@ -41,12 +41,13 @@ def kernel_name(workload, config: BlockConfig, split: bool = False) -> str:
         return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
                 f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}{', true' if split else ''}>")
     D, E = fma_buckets(workload, config)
-    sliced = "true" if workload.d > D else "false"  # d swept in D-wide slices
-    if split:  # Sliced spelled out, then Split
-        extra = f", {sliced}, true"
-    else:
-        extra = ", true" if sliced == "true" else ""
-    return f"cuflash::fwd<{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.warps}{extra}>"
+    sliced = workload.d > D  # d swept in D-wide slices
+    args = [ctype, config.Br, config.Bc, D, E, config.warps]
+    if sliced or split:  # Sliced and Split default to false: spelled out only as far as needed
+        args.append("true" if sliced else "false")
+    if split:
+        args.append("true")
+    return f"cuflash::fwd<{', '.join(map(str, args))}>"
 
 
 def column_blocks(workload, config: BlockConfig) -> List[Tuple[int, int]]:
