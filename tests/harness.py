@@ -48,9 +48,54 @@ def on_device(x, to_device):
     return xp.lib.stride_tricks.as_strided(span[-lo // item:], shape=x.shape, strides=x.strides)
 
 
+def record_events(case, backend, block=None):
+    """Tell hypothesis's statistics what this example reaches (`--hypothesis-show-statistics`): dtype, causal,
+    window, mask, bias, large logits, poisoned hidden keys, and for the kernels the kernel, its head-dim bucket,
+    several key tiles, more rows than one query tile and split keys. Outside a property it does nothing."""
+    from hypothesis import event
+    from hypothesis.control import currently_in_test_context
+
+    if not currently_in_test_context():
+        return
+    o = case.options
+    event(f"dtype {result_dtype_name(case.q, case.k, case.v)}")
+    for name, reached in (("causal", o.get("causal")), ("window", o.get("window") is not None),
+                          ("mask", o.get("mask") is not None), ("bias", o.get("bias") is not None),
+                          ("large logits", case.q.size and np.abs(case.q.astype(np.float64)).max() > 8),
+                          ("non-finite input", not all(np.isfinite(x.astype(np.float64)).all()
+                                                       for x in (case.k, case.v)))):
+        if reached:
+            event(name)
+    n, m = case.q.shape[-2], case.k.shape[-2]
+    if n == 0 or m == 0 or 0 in result_shape(case)[:-2]:
+        event("empty")  # the front door answers without a backend
+        return
+    if backend == "numpy":
+        from cuflash.backends import numpy as numpy_backend
+        bc = block[1] if isinstance(block, tuple) else numpy_backend.DEFAULT_BC
+        event(f"key tiles {'> 1' if m > bc else '1'}")
+        return
+    if backend == "simt":
+        from cuflash import tiling
+        from cuflash.backends import simt
+        problem = problem_and_outputs(case.q, case.k, case.v, **o)[0]
+        config = tiling.resolve(block, problem, simt.DEVICE)
+        from cuflash import tensorcore
+        if config.variant == "mma":
+            bucket = tensorcore.bucket(problem.d)
+        else:
+            bucket = tiling.bucket(problem.d) if problem.d <= tiling.HEAD_DIM_BUCKETS[-1] else "sliced"
+        event(f"kernel {config.variant} d bucket {bucket}")
+        event(f"key tiles {'> 1' if m > config.Bc else '1'}")
+        event(f"n {'>' if n > config.Br else '<='} Br")
+        if tiling.key_splits(problem, config, simt.DEVICE) > 1:
+            event("split keys")
+
+
 def check_case(case, backend=None, to_device=None, **extra):
     """to_device: optional function moving NumPy arrays to the backend's array type (and back with .get());
     operands and out= keep their layout there (on_device)."""
+    record_events(case, backend, extra.get("block"))
     dtype = np.dtype(result_dtype_name(case.q, case.k, case.v))
     move = (lambda x: on_device(x, to_device)) if to_device else (lambda x: x)
     out = move(poisoned_out(result_shape(case), dtype, case.out_kind))

@@ -38,7 +38,7 @@ def to_device(x):
 DTYPES = _cupy_dtypes() if _device_count() else FLOAT_DTYPES
 
 
-@given(cases(dtypes=DTYPES, lengths=(0, 1, 7, 31, 64, 113, 203, 300), head_dims=(1, 3, 59, 64, 111, 128, 256)))
+@given(cases(dtypes=DTYPES, lengths=(1, 7, 31, 64, 113, 203, 300), head_dims=(1, 3, 17, 32, 59, 64, 111, 128, 200, 256)))
 @settings(max_examples=150)
 def test_matches_reference(case):
     check_case(case, backend="cupy", to_device=to_device)
@@ -52,7 +52,7 @@ def test_block_configurations(case):
 
 
 @given(cases(dtypes=DTYPES, lengths=(1, 5, 16), key_lengths=(1030, 5000), head_dims=(16, 64, 128),
-             max_batch_dims=1))
+             max_batch_dims=1, magnitudes=(12.0, 1.0)))
 @settings(max_examples=20)
 def test_split_keys(case):
     """Decoding shapes: few blocks, many keys, so the key axis is split and the partial results merged."""
@@ -66,6 +66,17 @@ def test_any_head_dim(dtype, d, e):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal(s).astype(dtype) for s in ((2, 70, d), (2, 90, d), (2, 90, e)))
     check_case(Case(q, k, v, {"causal": True}), backend="cupy", to_device=to_device)
+
+
+def test_empty_sizes():
+    """n, m, d or a batch dimension of 0 (no property draws them): empty results, zeros and -inf for no keys, the
+    mean of the values for d = 0."""
+    rng = np.random.default_rng(2)
+    for q_shape, k_shape, v_shape in (((0, 8), (5, 8), (5, 3)), ((0, 2, 4, 8), (1, 6, 8), (1, 6, 3)),
+                                      ((2, 4, 8), (2, 0, 8), (2, 0, 3)), ((4, 0), (6, 0), (6, 3)),
+                                      ((4, 2), (6, 2), (6, 0))):
+        q, k, v = (rng.standard_normal(x).astype(np.float32) for x in (q_shape, k_shape, v_shape))
+        check_case(Case(q, k, v), backend="cupy", to_device=to_device)
 
 
 def test_operands_past_two_to_the_31_elements():

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cuflash
 import cuflash.simt
@@ -35,15 +36,15 @@ def rand(rng, shape, dtype, scale=1.0):
 # Properties
 
 
-@given(cases(dtypes=HALVES, lengths=(1, 7, 33, 64, 113, 150), head_dims=(32, 59, 64, 128), mixed_dtypes=False,
-             max_batch_dims=1))
-@settings(max_examples=30)
+@given(cases(dtypes=HALVES, lengths=(1, 7, 33, 64, 150, 203, 300), head_dims=(32, 59, 64, 100, 128, 200, 256),
+             mixed_dtypes=False, max_batch_dims=1))
+@settings(max_examples=40)
 def test_matches_reference(case):
     check_case(case, backend="simt", block="mma")
 
 
 @given(cases(dtypes=HALVES, lengths=(17, 64, 150), key_lengths=(1030, 2100), head_dims=(32, 59, 64),
-             mixed_dtypes=False, max_batch_dims=1))
+             mixed_dtypes=False, max_batch_dims=1, magnitudes=(12.0, 1.0)))
 @settings(max_examples=10)
 def test_split_keys(case):
     """Too few query tiles to fill the GPU: the tensor-core kernel splits the key axis as well, writes float
@@ -80,7 +81,8 @@ BLOCKS = (BlockConfig.mma(16, 16, 1), BlockConfig.mma(32, 32, 2), BlockConfig.mm
           BlockConfig.mma(64, 64, 4, stages=3), BlockConfig.mma(128, 64, 4))
 
 
-@given(cases(dtypes=HALVES, lengths=(1, 5, 33, 97), head_dims=(3, 32, 59), mixed_dtypes=False, max_batch_dims=1))
+@given(cases(dtypes=HALVES, lengths=(1, 5, 33, 97), head_dims=(3, 32, 59), mixed_dtypes=False, max_batch_dims=1,
+             magnitudes=(1.0, 12.0)))
 @settings(max_examples=8)
 def test_block_configurations(case):
     """One or two m16 tiles per warp, 1 to 4 warps, 2 and 3 stages: many key tiles, tails both ways."""
@@ -99,15 +101,18 @@ def test_causal_both_ways(n, m, dtype):
     assert_accurate(out, q, k, v, lse=lse, causal=True)
 
 
-@pytest.mark.parametrize("schedule", ["reverse", "20261130"])
-@given(cases(dtypes=HALVES, lengths=(7, 64, 113), head_dims=(32, 64), mixed_dtypes=False, max_batch_dims=1))
-@settings(max_examples=4)
-def test_emulator_schedules(schedule, case):
+@pytest.mark.parametrize("schedule, dtype, block", [("reverse", F16, BlockConfig.mma(32, 16, 1)),
+                                                     ("20261130", BF16, BlockConfig.mma(64, 32, 2, stages=3))])
+@given(data=st.data())
+@settings(max_examples=8)
+def test_emulator_schedules(schedule, dtype, block, data):
     """Other orders of the threads between barriers: a missing __syncthreads or cp.async wait would show."""
+    case = data.draw(cases(dtypes=(dtype,), lengths=(7, 64, 113), head_dims=(32, 64), mixed_dtypes=False,
+                           max_batch_dims=1))
     old = os.environ.get("CUFLASH_SIMT_SEED")
     os.environ["CUFLASH_SIMT_SEED"] = schedule
     try:
-        check_case(case, backend="simt", block=BlockConfig.mma(32, 16, 1))
+        check_case(case, backend="simt", block=block)
     finally:
         if old is None:
             del os.environ["CUFLASH_SIMT_SEED"]

@@ -19,13 +19,13 @@ from strategies import Case, cases
 
 pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT emulator needs g++")
 
-LENGTHS = (0, 1, 7, 31, 64, 113, 150)
-HEAD_DIMS = (1, 3, 59, 64, 111, 128)
+LENGTHS = (1, 7, 31, 64, 113, 150, 203, 300)  # past one query tile (64) and one key tile (32 to 64) often
+HEAD_DIMS = (1, 3, 17, 32, 59, 64, 111, 128, 200)  # every bucket up to 256 (512: test_any_head_dim)
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 @given(cases(lengths=LENGTHS, head_dims=HEAD_DIMS))
-@settings(max_examples=50)
+@settings(max_examples=100)
 def test_matches_reference(case):
     check_case(case, backend="simt")
 
@@ -51,7 +51,8 @@ def test_narrow_head_tiles(case):
     check_case(case, backend="simt", block=BlockConfig(8, 16, 4, head_tile=32))
 
 
-@given(cases(lengths=(1, 5, 16), key_lengths=(1030, 2100), head_dims=(1, 16, 64), max_batch_dims=1))
+@given(cases(lengths=(1, 5, 16), key_lengths=(1030, 2100), head_dims=(1, 16, 64), max_batch_dims=1,
+             magnitudes=(12.0, 1.0)))
 @settings(max_examples=12)
 def test_split_keys(case):
     """Few queries over many keys, too few blocks to fill the GPU: the key axis is split (flash-decoding) and
@@ -106,7 +107,7 @@ def test_wide_e_is_split_into_column_blocks():
 BLOCKS = ((16, 16), BlockConfig(8, 16, warps=4), BlockConfig(4, 32, warps=2), (32, 64), BlockConfig(16, 48, 8))
 
 
-@given(cases(lengths=(1, 5, 33, 97), head_dims=(1, 3, 16), max_batch_dims=1))
+@given(cases(lengths=(1, 5, 33, 97), head_dims=(1, 3, 16), max_batch_dims=1, magnitudes=(1.0, 12.0)))
 @settings(max_examples=10)
 def test_block_configurations(case):
     """Small tiles sweep many key tiles: rescaling, straddling windows, tails in both directions."""
