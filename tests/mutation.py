@@ -1,0 +1,235 @@
+"""The mutation check: does the suite catch what it claims to?
+
+Each mutant is one small semantic bug (a visibility off-by-one, a dropped rescale, an unmasked tail, lse in the
+wrong base, an unshifted merge, a multiply-by-zero where a selection belongs, a wrong fragment index in a PTX
+twin, ...). The script applies one at a time to a temporary copy of the project, runs the tests that should catch
+it (stopping at the first failure), and prints a table: mutant, caught or not, by which test, seconds. Every
+mutant in the list must be caught; a mutant that survives is a hole in the suite.
+
+    python tests/mutation.py              # every mutant, two at a time
+    python tests/mutation.py --list       # the list, nothing run
+    python tests/mutation.py merge-unshifted numpy-no-rescale --jobs 1
+
+Runs by hand, not in CI: a mutated kernel is a new emulator build (g++, tens of seconds). The emulator's disk
+cache is keyed by the source, so unmutated kernels come from the cache and mutated ones never pollute it.
+tests/test_mutation_list.py (in CI) checks that every mutant still applies to the code as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the project root
+    edits: Tuple[Tuple[str, str], ...]  # (text that occurs exactly once, its replacement)
+    tests: Tuple[str, ...]  # pytest node ids, the likeliest catcher first
+    why: str
+
+
+def m(name, file, edits, tests, why):
+    return Mutant(name, file, tuple(edits), tuple(tests), why)
+
+
+NUMPY = "tests/test_attention_numpy.py::test_matches_reference"
+CASES = "tests/test_attention_cases.py"
+FMA = "tests/test_kernel_simt.py::test_matches_reference"
+FMA_NAN = "tests/test_kernel_simt.py::test_nan_and_inf_in_hidden_keys_never_leak"
+FMA_SPLIT = "tests/test_kernel_simt.py::test_split_keys"
+MMA = "tests/test_kernel_mma.py::test_matches_reference"
+MMA_SPLIT = "tests/test_kernel_mma.py::test_split_keys"
+PTX = "tests/simt/test_simt_ptx.py"
+
+MUTANTS = (
+    # ---- the front door and the Problem
+    m("window-right-off-by-one", "cuflash/problem.py",
+      [("vis &= j <= i + right", "vis &= j < i + right")], [NUMPY],
+      "the numpy backend's per-tile visibility hides the diagonal key"),
+    m("key-range-short", "cuflash/problem.py",
+      [("i1 - 1 + self.offset + right + 1)", "i1 - 1 + self.offset + right)")], [NUMPY],
+      "the last visible key of a causal row tile is never swept"),
+    m("causal-top-left", "cuflash/problem.py",
+      [("return self.m - self.n", "return 0")], [NUMPY, f"{CASES}::test_causal_is_bottom_right_aligned"],
+      "causal aligned top-left instead of bottom-right"),
+    m("default-scale-1/d", "cuflash/problem.py",
+      [("return 1.0 / math.sqrt(d) if d > 0 else 1.0", "return 1.0 / d if d > 0 else 1.0")],
+      [f"{CASES}::test_result_is_exact_softmax_attention", NUMPY], "softmax temperature wrong by default"),
+    m("causal-ignores-window", "cuflash/api.py",
+      [("right = 0 if right is None else min(right, 0)", "right = 0")],
+      [f"{CASES}::test_window_and_causal_intersect", NUMPY],
+      "causal=True discards a window's tighter right side"),
+    # ---- the NumPy backend
+    m("numpy-no-rescale", "cuflash/backends/numpy.py",
+      [("o_new = alpha[..., None] * o_i + ", "o_new = o_i + ")], [NUMPY],
+      "the running output is not rescaled when the running max grows (needs a second key tile)"),
+    m("numpy-no-sum-rescale", "cuflash/backends/numpy.py",
+      [("l_new = alpha * l_i + ", "l_new = l_i + ")], [NUMPY], "the running sum is not rescaled"),
+    m("numpy-lse-log2", "cuflash/backends/numpy.py",
+      [("m_i + np.log(l_i)", "m_i + np.log2(l_i)")], [NUMPY], "lse in base 2"),
+    m("numpy-multiply-by-zero", "cuflash/backends/numpy.py",
+      [("if visible is None or finite.all():", "if True:")], [NUMPY],
+      "hidden values weighted by 0 instead of removed: 0 * inf = NaN leaks"),
+    m("numpy-unmasked-tile", "cuflash/backends/numpy.py",
+      [("visible = problem.window_tile(i0, i1, j0, j1)", "visible = None")], [NUMPY],
+      "tiles straddling the window edge take every key"),
+    # ---- the merge of split keys
+    m("merge-unshifted", "cuflash/launch.py",
+      [("weights = xp.exp(parts_lse - shift)", "weights = xp.exp(parts_lse)"),
+       ("lse[...] = xp.log(total) + shift", "lse[...] = xp.log(total)")], [FMA_SPLIT, MMA_SPLIT],
+      "exp(lse_s) overflows float32 once lse passes 88"),
+    m("merge-unweighted", "cuflash/launch.py",
+      [("merged = (weights[..., None] * parts_out).sum(axis=0)", "merged = parts_out.sum(axis=0)")],
+      [FMA_SPLIT], "splits added without their weights"),
+    m("split-drops-a-key", "cuflash/kernels/forward.cuh",
+      [("min_ll(keys.end, (split + 1) * g.split_keys)", "min_ll(keys.end, (split + 1) * g.split_keys - 1)")],
+      [FMA_SPLIT], "the last key of every split is never swept"),
+    # ---- the CUDA-core kernel
+    m("fma-window-right-off-by-one", "cuflash/kernels/forward.cuh",
+      [("j >= i + ops.offset - left && j <= i + ops.offset + right;",
+        "j >= i + ops.offset - left && j < i + ops.offset + right;")], [FMA],
+      "the kernel hides each row's diagonal key"),
+    m("fma-unmasked-tail", "cuflash/kernels/forward.cuh",
+      [("visible = visible && jj < cols && ", "visible = visible && ")], [FMA],
+      "the zero-filled keys past m count as scores of 0"),
+    m("fma-no-rescale", "cuflash/kernels/forward.cuh",
+      [("for (int c = 0; c < EPT; ++c) O_i[a][c] *= alpha;", "")], [FMA],
+      "O_i not rescaled when the running max grows"),
+    m("fma-lse-log2", "cuflash/kernels/forward.cuh",
+      [("(m_i[a] + log2_(l_i[a])) * kLn2", "(m_i[a] + log2_(l_i[a]))")], [FMA], "lse in base 2"),
+    m("fma-multiply-by-zero", "cuflash/kernels/forward.cuh",
+      [("(hidden[a] >> c & 1u) ? hidden_p<Acc>() : p", "p")], [FMA, FMA_NAN],
+      "hidden keys weighted by exp2(-inf) = 0 instead of skipped: 0 * inf = NaN leaks"),
+    m("fma-bias-base-e", "cuflash/kernels/forward.cuh",
+      [("s += bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col] * kLog2e;",
+        "s += bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col];")], [FMA],
+      "the bias added in the natural-log domain to scores kept in the log2 domain"),
+    m("fma-mask-ignored", "cuflash/kernels/forward.cuh",
+      [("if (visible && ops.has_mask)\n                        visible = mask[",
+        "if (false)\n                        visible = mask[")], [FMA], "the mask is never read"),
+    # ---- the tensor-core kernel
+    m("mma-window-right-off-by-one", "cuflash/kernels/forward_mma.cuh",
+      [("j <= i + ops.offset + right;", "j < i + ops.offset + right;")], [MMA],
+      "the tensor-core kernel hides each row's diagonal key"),
+    m("mma-unmasked-tail", "cuflash/kernels/forward_mma.cuh",
+      [("visible = visible && jj < cols && j >= i", "visible = visible && j >= i")], [MMA],
+      "the zero-filled keys past m count as scores of 0"),
+    m("mma-no-rescale", "cuflash/kernels/forward_mma.cuh",
+      [("O_i[mt][et][2 * h] *= alpha;", "")], [MMA], "half of O_i's fragment not rescaled"),
+    m("mma-lse-log2", "cuflash/kernels/forward_mma.cuh",
+      [("(m_i[mt][h] + log2f(l)) * kLn2", "(m_i[mt][h] + log2f(l))")], [MMA], "lse in base 2"),
+    m("mma-multiply-by-zero", "cuflash/kernels/forward_mma.cuh",
+      [("const bool careful = partial && ", "const bool careful = false && ")],
+      [MMA, "tests/test_kernel_mma.py::test_nan_and_inf_in_hidden_keys_never_leak"],
+      "P V on tensor cores even where hidden values hold inf or NaN"),
+    # ---- the emulator's PTX twins and collectives
+    m("mma-twin-a-fragment", "cuflash/kernels/ptx.cuh",
+      [("row = g + 8 * (r & 1); k = 2 * t + h + 8 * (r >> 1);", "row = g + 8 * (r >> 1); k = 2 * t + h + 8 * (r & 1);")],
+      [PTX], "a1 and a2 of the m16n8k16 A fragment swapped"),
+    m("mma-twin-c-fragment", "cuflash/kernels/ptx.cuh",
+      [("row = (lane >> 2) + 8 * (e >> 1);", "row = (lane >> 2) + 8 * (e & 1);")], [PTX],
+      "the C/D fragment's rows taken from the wrong bit"),
+    m("ldmatrix-twin-trans", "cuflash/kernels/ptx.cuh",
+      [("unsigned lo = Trans ? M[j][col][row] : M[j][row][col];", "unsigned lo = M[j][row][col];")], [PTX],
+      "ldmatrix .trans delivers the untransposed low half"),
+    m("shfl-xor-twin", "cuflash/simt/cuflash_simt.h",
+      [("default: j = lane ^ (b & 31); ok = j <= max_lane; break;",
+        "default: j = lane ^ (b & 15); ok = j <= max_lane; break;")], ["tests/simt/test_simt_basics.py"],
+      "__shfl_xor_sync ignores the lane mask's top bit"),
+)
+
+IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", "build")
+
+
+def mutated(mutant: Mutant, text: str) -> str:
+    """The file's text with the mutant's edits; ValueError when an edit's text is not there exactly once."""
+    for old, new in mutant.edits:
+        count = text.count(old)
+        if count != 1:
+            raise ValueError(f"mutant {mutant.name}: {old!r} occurs {count} times in {mutant.file}, not once")
+        text = text.replace(old, new)
+    return text
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    path = root / mutant.file
+    path.write_text(mutated(mutant, path.read_text()))
+
+
+def run_one(mutant: Mutant, timeout: float) -> dict:
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="cuflash-mutant-") as tmp:
+        copy = Path(tmp) / "project"
+        shutil.copytree(ROOT, copy, ignore=IGNORE)
+        apply(mutant, copy)
+        env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
+                   "-rf", *mutant.tests]
+        try:
+            result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+            output, code = result.stdout + result.stderr, result.returncode
+        except subprocess.TimeoutExpired:
+            output, code = "", None
+    failed = re.findall(r"^FAILED (\S+)", output, flags=re.M)
+    if code is None:
+        verdict, by = "TIMEOUT", ""
+    elif "CompileError" in output:  # g++ refused the mutated kernel: no semantic bug was tested
+        verdict, by = "ERROR", "the mutated source does not compile"
+    elif failed:
+        verdict, by = "caught", failed[0].split(" ")[0]
+    elif code == 0:
+        verdict, by = "SURVIVED", ""
+    else:  # an error that is no test failure (collection, a build error): the mutant is not semantic
+        verdict, by = "ERROR", output.strip().splitlines()[-1] if output.strip() else f"exit {code}"
+    return dict(mutant=mutant.name, verdict=verdict, by=by, seconds=round(time.time() - start, 1))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one mutant's tests may take")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    chosen = [x for x in MUTANTS if not args.names or x.name in args.names]
+    unknown = set(args.names) - {x.name for x in MUTANTS}
+    if unknown:
+        parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
+    if args.list:
+        for x in chosen:
+            print(f"{x.name:30} {x.file:32} {x.why}")
+        return 0
+    for x in chosen:  # fail fast on a list that no longer applies
+        mutated(x, (ROOT / x.file).read_text())
+    start = time.time()
+    print(f"{'mutant':30} {'verdict':9} {'seconds':>7}  caught by")
+    results = []
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for row in pool.map(lambda x: run_one(x, args.timeout), chosen):
+            results.append(row)
+            print(f"{row['mutant']:30} {row['verdict']:9} {row['seconds']:7.1f}  {row['by']}", flush=True)
+    caught = sum(r["verdict"] == "caught" for r in results)
+    print(f"{caught} of {len(results)} mutants caught in {time.time() - start:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
