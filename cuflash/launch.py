@@ -23,7 +23,7 @@ MAX_GRID_Y = 65535
 RESIDENT_LIMIT = 256  # device copies of geometry tables and placeholders kept per process
 
 # ForwardFlags in forward.cuh
-VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE = 1, 2, 4, 8, 16, 32
+VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE, BIAS_HIDES = 1, 2, 4, 8, 16, 32, 64
 
 
 def source() -> str:
@@ -204,7 +204,7 @@ def _launch(problem, operands, shape, batch_strides, e, config, split, xp, acc) 
     if mask is not None:
         flags |= HAS_MASK
     if bias is not None:
-        flags |= HAS_BIAS
+        flags |= HAS_BIAS | (BIAS_HIDES if problem.bias_hides else 0)
     if lse is not None:
         flags |= WANT_LSE
     # Absent optional operands are passed as one-element arrays: never read, typed like the real thing.

@@ -21,7 +21,9 @@ class Problem:
     """softmax(scale * q @ k.T + bias, visible) @ v for every batch index.
 
     q: (*batch, n, d), k: (*batch, m, d), v: (*batch, m, e), all of `dtype`.
-    mask: bool (*batch, n, m) or None (True = attend). bias: (*batch, n, m) or None, any real dtype.
+    mask: bool (*batch, n, m) or None (True = attend). bias: (*batch, n, m) or None, any real dtype; a bias of
+        -inf hides its key as the mask does (by selection). bias_hides: the bias may hold -inf, so backends must
+        select per element on every tile it covers (False lets them keep the fast path).
     window: (left, right), None meaning unbounded: key j is visible to query i when
         i + (m - n) - left <= j <= i + (m - n) + right.
     """
@@ -41,6 +43,7 @@ class Problem:
     scale: float
     window: Tuple[Optional[int], Optional[int]]
     xp: Any  # numpy or cupy
+    bias_hides: bool = False
 
     @property
     def offset(self) -> int:

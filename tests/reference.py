@@ -1,8 +1,9 @@
 """The truth: naive, materialized attention in float64, written apart from every backend.
 
 It follows the documented semantics directly: scores for every (query, key) pair, visibility as a boolean
-matrix, softmax over the visible keys of each row, and the weighted sum over those keys only (selection, so a
-NaN in a hidden value never counts).
+matrix (the window, the mask, and a -inf bias, which hides its key as the mask does), softmax over the visible
+keys of each row, and the weighted sum over those keys only (selection, so a NaN in a hidden key or value never
+counts).
 """
 
 from __future__ import annotations
@@ -13,17 +14,28 @@ import numpy as np
 
 
 def visibility(n, m, causal=False, window=None):
-    """Boolean (n, m): key j visible to query i when i + (m - n) - left <= j <= i + (m - n) + right."""
+    """Boolean (n, m): key j visible to query i when i + (m - n) - left <= j <= i + (m - n) + right.
+    Compared in Python's integers, so a side of any size (past int64 too) means what it says."""
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0 if right is None else min(right, 0)
-    i = np.arange(n)[:, None] + (m - n)
-    j = np.arange(m)[None, :]
     vis = np.ones((n, m), dtype=bool)
-    if left is not None:
-        vis &= j >= i - left
-    if right is not None:
-        vis &= j <= i + right
+    for i in range(n):
+        row = i + (m - n)
+        lo = 0 if left is None else min(max(row - left, 0), m)
+        hi = m - 1 if right is None else min(max(row + right, -1), m - 1)
+        vis[i, :lo] = False
+        vis[i, hi + 1:] = False
+    return vis
+
+
+def visible_pairs(n, m, causal=False, window=None, mask=None, bias=None):
+    """(*batch, n, m) booleans: the window, the mask, and a bias of -inf, which hides its key like the mask."""
+    vis = visibility(n, m, causal, window)
+    if mask is not None:
+        vis = vis & np.asarray(mask, dtype=bool)
+    if bias is not None:
+        vis = vis & (np.asarray(bias).astype(np.float64) != -np.inf)
     return vis
 
 
@@ -34,9 +46,7 @@ def attention_reference(q, k, v, *, scale=None, causal=False, window=None, mask=
     m, e = v.shape[-2:]
     if scale is None:
         scale = 1.0 / math.sqrt(d) if d else 1.0
-    vis = visibility(n, m, causal, window)
-    if mask is not None:
-        vis = vis & np.asarray(mask, dtype=bool)
+    vis = visible_pairs(n, m, causal, window, mask, bias)
     scores = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
     if bias is not None:
         scores = scores + np.asarray(bias).astype(np.float64)
@@ -56,8 +66,6 @@ def attention_reference(q, k, v, *, scale=None, causal=False, window=None, mask=
             if np.isnan(top) or np.isnan(s).any():
                 out[b][i] = np.nan
                 lse[b][i] = np.nan
-                continue
-            if top == -np.inf:  # every visible score is -inf (a bias mask): nothing to attend
                 continue
             with np.errstate(invalid="ignore"):
                 w = np.exp(s - top)
@@ -85,9 +93,7 @@ def naive_in_dtype(q, k, v, *, scale=None, causal=False, window=None, mask=None,
     if bias is not None:
         s = s + np.asarray(bias).astype(acc)
     s = round_to(s, dtype)
-    vis = visibility(n, m, causal, window)
-    if mask is not None:
-        vis = vis & np.asarray(mask, dtype=bool)
+    vis = visible_pairs(n, m, causal, window, mask, bias)
     s = np.where(vis, s, -np.inf)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         top = s.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -112,9 +118,7 @@ def score_condition(q, k, *, scale=None, causal=False, window=None, mask=None, b
     cond = np.matmul(q, np.swapaxes(k, -1, -2)) * abs(scale)
     if bias is not None:
         cond = cond + np.abs(np.nan_to_num(np.asarray(bias).astype(np.float64), posinf=0, neginf=0))
-    vis = visibility(n, m, causal, window)
-    if mask is not None:
-        vis = vis & np.asarray(mask, dtype=bool)
+    vis = visible_pairs(n, m, causal, window, mask, bias)
     return np.where(vis, cond, 0).max(axis=-1, initial=0)
 
 

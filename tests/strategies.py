@@ -112,6 +112,8 @@ def cases(draw, dtypes=FLOAT_DTYPES, lengths=LENGTHS, head_dims=HEAD_DIMS, mixed
         bshape = draw(st.sampled_from([(n, m), (1, m), (n, 1)]))
         bias_dtype = draw(st.sampled_from([np.float32, dtype, np.float64]))
         options["bias"] = make_view(rng, kb() + bshape, bias_dtype, view(), scale=2.0)
+        if bshape[-1] == m and options["bias"].flags.writeable and draw(st.booleans()):
+            options["bias"][..., rng.random(m) < 0.3] = -np.inf  # keys hidden by bias alone, as a mask would
     case = Case(q, k, v, options)
     if poison and draw(st.integers(0, 2)) == 0:
         poison_hidden(rng, case)
@@ -120,14 +122,13 @@ def cases(draw, dtypes=FLOAT_DTYPES, lengths=LENGTHS, head_dims=HEAD_DIMS, mixed
 
 
 def hidden_keys(case):
-    """Keys that the window and mask hide from every query row of every batch item."""
-    from reference import visibility  # the reference's own rule, not a backend's
+    """Keys that the window, mask and -inf bias hide from every query row of every batch item."""
+    from reference import visible_pairs  # the reference's own rule, not a backend's
     n, m = case.q.shape[-2], case.k.shape[-2]
     if n == 0:
         return np.ones(m, dtype=bool)
-    vis = visibility(n, m, case.options.get("causal", False), case.options.get("window"))
-    if case.options.get("mask") is not None:
-        vis = vis & case.options["mask"]
+    o = case.options
+    vis = visible_pairs(n, m, o.get("causal", False), o.get("window"), o.get("mask"), o.get("bias"))
     return ~vis.reshape(-1, n, m).any(axis=(0, 1))
 
 

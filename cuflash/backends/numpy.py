@@ -105,18 +105,23 @@ def attend_rows(problem, index, i0, i1, bc):
 
 def tile_scores(problem, index, q_i, i0, i1, j0, j1):
     """S_ij = (scale * q_i) @ k_j.T + bias, with hidden keys set to -inf by selection; and the visibility
-    (None when every key of the tile is visible)."""
+    (None when every key of the tile is visible). A -inf bias hides its key as the mask does, so a NaN in that
+    key's scores or values never counts."""
     acc = problem.acc_dtype
     k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
     s_ij = np.matmul(q_i, np.swapaxes(k_j, -1, -2))
     tile = index + (slice(i0, i1), slice(j0, j1))
-    if problem.bias is not None:
-        s_ij += problem.bias[tile].astype(acc)
     visible = None
     if not problem.tile_fully_visible(i0, i1, j0, j1):
         visible = problem.window_tile(i0, i1, j0, j1)
     if problem.mask is not None:
         visible = problem.mask[tile] if visible is None else problem.mask[tile] & visible
+    if problem.bias is not None:
+        bias = problem.bias[tile]
+        s_ij += bias.astype(acc)
+        if problem.bias_hides:
+            shown = bias != -np.inf
+            visible = shown if visible is None else visible & shown
     if visible is not None:
         s_ij = np.where(visible, s_ij, -np.inf)
     return s_ij, visible

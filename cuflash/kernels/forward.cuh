@@ -38,7 +38,9 @@ struct ForwardShared {
 
 // Launch flags (one int): which operands take 16-byte loads, and which optional operands exist.
 // The bias comes in the accumulator type (the launch casts the un-broadcast original once).
-enum ForwardFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32 };
+// kBiasHides: the bias may hold -inf, which hides its key as the mask does (by selection, per element).
+enum ForwardFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32,
+                    kBiasHides = 64 };
 
 // What a block of either forward kernel reads of the launch: its query tile (rows [i0, i0 + rows)), the keys it
 // sweeps, every operand's base offset for its batch item and strides (references into the geometry table, read
@@ -52,7 +54,7 @@ struct BlockOperands {
     BatchOffsets base;
     const OperandStrides &q, &k, &v, &mask, &bias, &out, &lse;
     long long offset;
-    bool has_mask, has_bias;
+    bool has_mask, has_bias, bias_hides;
 };
 
 // The launch spreads the batch over gridDim.y x gridDim.z.
@@ -85,12 +87,36 @@ __device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long 
         base.of[kLse] += split * g.split_lse;
     }
     return {i0, rows, keys, base, g.op[kQ], g.op[kK], g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse],
-            m - n, (flags & kHasMask) != 0, (flags & kHasBias) != 0};
+            m - n, (flags & kHasMask) != 0, (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
 }
 
 // In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,
 // so a NaN or inf in a hidden value row never reaches the output through 0 * inf.
 template <typename A> __device__ __forceinline__ A hidden_p() { return A(-1); }
+
+// Scale, bias and visibility of one score S (q_i . k_j) in the log2 domain, shared by both kernels. A hidden
+// key's score becomes -inf by selection, and visible says so: the window and the mask decide where partial
+// (a tile that straddles the window, carries a mask or a hiding bias, or ends early), and a bias of -inf hides
+// its key as the mask does (where ops.bias_hides), so a NaN in that key never counts.
+template <typename A>
+__device__ __forceinline__ A visible_score(A S, A scale_log2, const BlockOperands& ops, const A* bias,
+                                           const bool* mask, long long i, long long j, int jj, int cols,
+                                           long long n, long long left, long long right, bool partial,
+                                           bool& visible) {
+    constexpr A kLog2e = A(1.4426950408889634);
+    visible = i < n;  // rows past n (the last tile's tail) are computed but never stored
+    if (partial) {
+        visible = visible && jj < cols && j >= i + ops.offset - left && j <= i + ops.offset + right;
+        if (visible && ops.has_mask) visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
+    }
+    A s = S * scale_log2;
+    if (visible && ops.has_bias) {
+        const A b = bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col];
+        if (ops.bias_hides) visible = b != -infinity<A>();
+        s += b * kLog2e;
+    }
+    return visible ? s : -infinity<A>();
+}
 
 // True when the window hides no key of rows [i0, i1) x keys [j0, j1).
 __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, long long j0, long long j1,
@@ -117,7 +143,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     constexpr int RPT = Br / RG, CPT = Bc / TC, EPT = E / TC;  // rows, score columns, output columns per thread
     static_assert(Br % RG == 0 && Bc % TC == 0 && E % TC == 0 && D % TC == 0, "unsupported tile shape");
     static_assert(CPT <= 32, "hidden-key bits must fit one word");
-    constexpr Acc kLog2e = Acc(1.4426950408889634), kLn2 = Acc(0.6931471805599453);
+    constexpr Acc kLn2 = Acc(0.6931471805599453);
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
@@ -187,7 +213,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         }
 
         // Only tiles that straddle the window, carry a mask or end early pay for per-element visibility.
-        const bool partial = ops.has_mask || cols < Bc ||
+        const bool partial = ops.has_mask || ops.bias_hides || cols < Bc ||
                              !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
 
         // Scale, bias and visibility; a hidden key's score becomes -inf by selection and its bit is remembered.
@@ -199,17 +225,9 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
 #pragma unroll
             for (int c = 0; c < CPT; ++c) {
                 const int jj = tx + TC * c;
-                const long long j = j0 + jj;
-                bool visible = i < n;  // rows past n (the last tile's tail) are computed but never stored
-                if (partial) {
-                    visible = visible && jj < cols && j >= i + ops.offset - left && j <= i + ops.offset + right;
-                    if (visible && ops.has_mask)
-                        visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
-                }
-                Acc s = S[a][c] * scale_log2;
-                if (visible && ops.has_bias)
-                    s += bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col] * kLog2e;
-                S[a][c] = visible ? s : -infinity<Acc>();
+                bool visible;
+                S[a][c] = visible_score(S[a][c], scale_log2, ops, bias, mask, i, j0 + jj, jj, cols, n, left, right,
+                                        partial, visible);
                 if (!visible) hidden[a] |= 1u << c;
             }
         }

@@ -60,7 +60,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     static_assert(Bc % 16 == 0 && Bc <= 128, "Bc must be a multiple of 16 up to 128 (hidden bits in one word)");
     static_assert(D % 32 == 0 && E % 32 == 0 && D <= 256 && E <= 256, "head-dim buckets are multiples of 32");
     static_assert(Stages >= 2, "the K/V pipeline needs two stages or more");
-    constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+    constexpr float kLn2 = 0.6931471805599453f;
     const T tag{};  // selects the element type's overloads
 
     extern __shared__ __align__(16) unsigned char smem[];
@@ -178,7 +178,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         // Scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and their bits
         // are kept for the rare CUDA-core P V. Only tiles that straddle the window, carry a mask or end early
         // pay for per-element visibility.
-        const bool partial = ops.has_mask || cols < Bc ||
+        const bool partial = ops.has_mask || ops.bias_hides || cols < Bc ||
                              !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
         unsigned hidden[MT][2];
 #pragma unroll
@@ -192,18 +192,9 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
                         const int jj = 8 * nt + 2 * quad_col + x;
-                        const long long j = j0 + jj;
-                        bool visible = i < n;  // rows past n are computed but never stored
-                        if (partial) {
-                            visible = visible && jj < cols && j >= i + ops.offset - left &&
-                                      j <= i + ops.offset + right;
-                            if (visible && ops.has_mask)
-                                visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
-                        }
-                        float s = S[mt][nt][2 * h + x] * scale_log2;
-                        if (visible && ops.has_bias)
-                            s += bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col] * kLog2e;
-                        S[mt][nt][2 * h + x] = visible ? s : -infinity<float>();
+                        bool visible;
+                        S[mt][nt][2 * h + x] = visible_score(S[mt][nt][2 * h + x], scale_log2, ops, bias, mask, i,
+                                                             j0 + jj, jj, cols, n, left, right, partial, visible);
                         if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
                     }
             }
