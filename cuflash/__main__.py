@@ -13,8 +13,9 @@ import time
 
 import numpy as np
 
-from . import attention, cost
+from . import attention, backends, cost
 from .dtypes import FLOATS
+from .problem import default_scale
 
 
 def cuda_device_name():
@@ -30,19 +31,35 @@ def cuda_device_name():
         return None
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit status 2, without the usage block
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def size(text):
+    """A size: an int of 0 or more (every legal size runs, 0 included)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; sizes are 0 or more")
+    return value
+
+
 def parse_args(argv):
     gpu = cuda_device_name()
-    p = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m cuflash", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("numpy", "cupy", "simt"), default="cupy" if gpu else "numpy")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=16 if gpu else 4)
-    p.add_argument("--n", type=int, default=4096 if gpu else 2048, help="query length")
-    p.add_argument("--m", type=int, default=None, help="key length (default: n)")
-    p.add_argument("--d", type=int, default=64, help="head dimension")
+    p.add_argument("--batch", type=size, default=1)
+    p.add_argument("--heads", type=size, default=16 if gpu else 4)
+    p.add_argument("--n", type=size, default=4096 if gpu else 2048, help="query length")
+    p.add_argument("--m", type=size, default=None, help="key length (default: n)")
+    p.add_argument("--d", type=size, default=64, help="head dimension")
     p.add_argument("--dtype", choices=[t.name for t in FLOATS], default="float16" if gpu else "float32")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--check-rows", type=int, default=64, help="rows checked against naive attention")
+    p.add_argument("--check-rows", type=size, default=64, help="rows checked against naive attention")
     args = p.parse_args(argv)
     args.m = args.n if args.m is None else args.m
     args.gpu = gpu
@@ -81,18 +98,27 @@ def timed(fn, xp, repeats=3):
 
 
 def naive_rows(q, k, v, rows, causal):
-    """Materialized float64 attention for the given query rows (bottom-right causal alignment)."""
-    n, m = q.shape[-2], k.shape[-2]
-    s = q[..., rows, :].astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / np.sqrt(q.shape[-1])
+    """Materialized float64 attention for the given query rows (bottom-right causal alignment); a row that sees
+    no key gives 0, as cuflash documents."""
+    n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = q[..., rows, :].astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) * default_scale(d)
+    visible = np.ones((rows.size, m), dtype=bool)
     if causal:
-        s = np.where(np.arange(m)[None, :] <= rows[:, None] + (m - n), s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return (p / p.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
+        visible = np.arange(m)[None, :] <= rows[:, None] + (m - n)
+    s = np.where(visible, s, -np.inf)
+    top = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    p = np.where(visible, np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
+    total = p.sum(axis=-1, keepdims=True)
+    return (p / np.where(total == 0, 1, total)) @ v.astype(np.float64)
 
 
 def main(argv=None):
     args = parse_args(argv)
     xp = np
+    reason = backends.unavailable(args.backend)  # the backend's own sentence: no CuPy, no device, no compiler
+    if reason:
+        print(f"python -m cuflash: {reason}", file=sys.stderr)
+        return 2
     if args.backend == "cupy":
         import cupy as xp
     q, k, v, (dq, dk, dv) = make_inputs(args, xp)
@@ -104,12 +130,13 @@ def main(argv=None):
     out = attention(dq, dk, dv, causal=args.causal, backend=args.backend)
     seconds = timed(lambda: attention(dq, dk, dv, causal=args.causal, backend=args.backend), xp)
     flops = cost.flops(args.batch * args.heads, args.n, args.m, args.d, causal=args.causal)
-    print(f"time: {seconds * 1e3:.2f} ms (median of 3), {flops / seconds / 1e9:.1f} GFLOP/s")
+    rate = f", {flops / seconds / 1e9:.1f} GFLOP/s" if seconds > 0 and flops > 0 else ""
+    print(f"time: {seconds * 1e3:.2f} ms (median of 3){rate}")
 
     out = out if xp is np else xp.asnumpy(out)
     rows = np.unique(np.linspace(0, args.n - 1, min(args.n, args.check_rows)).astype(int))
     expected = naive_rows(q, k, v, rows, args.causal)
-    err = float(np.abs(out[..., rows, :].astype(np.float64) - expected).max()) if rows.size else 0.0
+    err = float(np.abs(out[..., rows, :].astype(np.float64) - expected).max(initial=0.0))
     print(f"check: {rows.size} rows per head against naive float64 attention, max abs error {err:.2e}")
 
     itemsize = np.dtype(args.dtype).itemsize

@@ -7,19 +7,49 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import numbers
 
+from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import backends
-from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, same_kind
+from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
 from .problem import SIGNATURE, Problem, default_scale
+
+if TYPE_CHECKING:
+    from .tiling import BlockConfig
 
 NAME = "attention"
 
 
-def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None,
-              out=None, return_lse=False, backend=None, block=None):
+Array = Any  # a numpy.ndarray, or a cupy.ndarray on a GPU (CuPy is optional, so no stricter type here)
+Window = Tuple[Optional[int], Optional[int]]
+Scalar = Union[float, np.number, np.ndarray]  # a Python or NumPy real number, or a 0-d array
+Flag = Union[bool, np.bool_]
+Block = Union[Tuple[int, int], str, "BlockConfig", None]
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
+              window: Optional[Window] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
+              out: Optional[Array] = None, return_lse: Literal[False] = False, backend: Optional[str] = None,
+              block: Block = None) -> Array: ...
+
+
+@overload
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
+              window: Optional[Window] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
+              out: Optional[Array] = None, return_lse: Union[Literal[True], np.bool_], backend: Optional[str] = None,
+              block: Block = None) -> Tuple[Array, Array]: ...
+
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
+              window: Optional[Window] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
+              out: Optional[Array] = None, return_lse: Flag = False, backend: Optional[str] = None,
+              block: Block = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
 
     A generalized ufunc with signature (n,d),(m,d),(m,e)->(n,e): leading dimensions of q, k, v, mask and bias
@@ -48,11 +78,12 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
 
 
 def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block):
-    q, k, v = (as_array(x, xp) for x in (q, k, v))
+    q, k, v = (as_array(x, xp, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     check_core_dims(q, k, v)
     dtype = common_dtype(q.dtype, k.dtype, v.dtype, name=NAME)
-    mask = None if mask is None else as_array(mask, xp)
-    bias = None if bias is None else as_array(bias, xp)
+    mask = None if mask is None else as_array(mask, xp, "mask")
+    bias = None if bias is None else as_array(bias, xp, "bias")
+    return_lse = check_flag(return_lse, "return_lse")
     check_mask_bias_dtypes(mask, bias)
     check_bfloat16_support(xp, [dtype, q.dtype, k.dtype, v.dtype] + [x.dtype for x in (bias, out)
                                                                   if isinstance(x, xp.ndarray)])
@@ -69,8 +100,9 @@ def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, 
         batch=batch, n=n, m=m, d=d, e=e,
         dtype=dtype, acc_dtype=acc_dtype_of(dtype),
         scale=check_scale(scale, d),
-        window=visibility_window(window, causal),
+        window=visibility_window(window, causal, n, m),
         xp=xp,
+        bias_hides=bias_may_hide(bias, xp),
     )
     runner = backends.get(backend, xp)
     result, target = output_for(problem, out, (q, k, v, mask, bias))
@@ -141,13 +173,23 @@ def module_name(x) -> str:
     return "cupy" if top == "cupy" else "numpy"
 
 
-def as_array(x, xp):
-    if isinstance(x, xp.ndarray):
-        return x
-    try:
-        return xp.asarray(x)
-    except Exception as exc:  # object sequences, ragged lists ...
-        raise TypeError(f"{NAME}: cannot make an array of {type(x).__name__}: {exc}") from exc
+def as_array(x, xp, name):
+    """x as an array of xp in native byte order (big-endian data, as FITS files hold, is copied once, like a
+    cast). A numpy.ma masked array is refused: its mask would be silently dropped."""
+    refuse_masked_array(x, name)
+    if not isinstance(x, xp.ndarray):
+        try:
+            x = xp.asarray(x)
+        except Exception as exc:  # object sequences, ragged lists ...
+            raise TypeError(f"{NAME}: cannot make an array of {type(x).__name__}: {exc}") from exc
+    return x if x.dtype.isnative else x.astype(native(x.dtype))
+
+
+def refuse_masked_array(x, name):
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(
+            f"{NAME}: {name} is a numpy.ma masked array, whose mask attention would not see; pass its data "
+            f"(numpy.ma.getdata({name})) and say which keys to hide with mask= (True = attend)")
 
 
 def check_core_dims(q, k, v):
@@ -203,6 +245,16 @@ def broadcast_batch(q, k, v, mask, bias, n, m):
         raise ValueError(f"{NAME}: batch dimensions could not be broadcast together: {listed}") from None
 
 
+def bias_may_hide(bias, xp):
+    """Whether the bias may hold -inf (which hides its key). Read on NumPy; a CuPy bias is assumed to, since
+    reading it back would synchronize the stream (and break graph capture)."""
+    if bias is None:
+        return False
+    if xp is not np:
+        return True
+    return bias.dtype.kind not in "biu" and bool((bias == -np.inf).any())
+
+
 def broadcast_pair(x, batch, n, m, xp):
     if x.ndim < 2:
         x = x.reshape((1,) * (2 - x.ndim) + tuple(x.shape))
@@ -210,36 +262,53 @@ def broadcast_pair(x, batch, n, m, xp):
 
 
 def check_scale(scale, d):
+    """A real scalar as NumPy takes one: a Python or NumPy number or a 0-d array of a real dtype; finite."""
     if scale is None:
         return default_scale(d)
-    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+    if hasattr(scale, "ndim") and hasattr(scale, "dtype") and scale.ndim == 0 and \
+            scale.dtype.kind in "iuf" and not isinstance(scale, np.ma.MaskedArray):
+        scale = scale.item()  # a 0-d NumPy or CuPy array, or a NumPy scalar
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{NAME}: scale must be a real number, got {type(scale).__name__}")
-    scale = float(scale)
-    if not np.isfinite(scale):
-        raise ValueError(f"{NAME}: scale must be finite, got {scale}")
-    return scale
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        shown = scale if len(str(scale)) < 40 else f"a number of {len(str(scale))} digits"
+        raise ValueError(f"{NAME}: scale must be a finite real number, got {shown}")
+    return value
 
 
-def visibility_window(window, causal):
-    """(left, right) from window= and causal=; None means unbounded."""
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"{NAME}: causal must be True or False, got {causal!r}")
+def check_flag(value, name):
+    """True or False (NumPy's bools too), as every flag of the front door takes them."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{NAME}: {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def visibility_window(window, causal, n, m):
+    """(left, right) from window= and causal=; None means unbounded. A side at or past n + m reaches past every
+    key, so it is unbounded; one at or below -(n + m) hides every key, and is held there (sides of any size,
+    past int64 too, never overflow the arithmetic of a backend)."""
+    causal = check_flag(causal, "causal")
     left = right = None
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(f"{NAME}: window must be a pair (left, right) of ints or None, got {window!r}")
-        left, right = (check_window_side(side, name) for side, name in zip(window, ("left", "right")))
+        left, right = (check_window_side(side, name, n + m) for side, name in zip(window, ("left", "right")))
     if causal:
         right = 0 if right is None else min(right, 0)
     return left, right
 
 
-def check_window_side(side, name):
+def check_window_side(side, name, reach):
     if side is None:
         return None
     if isinstance(side, (bool, np.bool_)) or not isinstance(side, (numbers.Integral, np.integer)):
         raise ValueError(f"{NAME}: window {name} must be an int or None, got {side!r}")
-    return int(side)
+    side = int(side)
+    return None if side >= reach else max(side, -reach)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,6 +322,7 @@ def output_for(problem, out, inputs):
     shape = problem.batch + (problem.n, problem.e)
     if out is None:
         return xp.empty(shape, dtype=problem.dtype), None
+    refuse_masked_array(out, "out")
     if not isinstance(out, xp.ndarray):
         raise TypeError(f"{NAME}: out must be a {xp.__name__}.ndarray like the inputs, got {type(out).__name__}")
     if tuple(out.shape) != shape:

@@ -13,8 +13,14 @@ float64 = np.dtype(np.float64)
 FLOATS = (float16, bfloat16, float32, float64)
 
 
+def native(dtype) -> np.dtype:
+    """The dtype in this machine's byte order (NumPy's functions take either; the kernels read native bytes)."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
 def is_real_float(dtype) -> bool:
-    return np.dtype(dtype) in FLOATS
+    return native(dtype) in FLOATS
 
 
 def describe(dtype) -> str:
@@ -26,14 +32,14 @@ def common_dtype(*dtypes, name="attention") -> np.dtype:
 
     NumPy cannot promote bfloat16 with most types, so bfloat16 promotes as float16 would, and float16 with
     bfloat16 gives float32 (the smallest type holding both)."""
-    dtypes = [np.dtype(t) for t in dtypes]
-    for t in dtypes:
+    natives = [native(t) for t in dtypes]
+    for t in natives:
         if not (is_real_float(t) or t.kind in "biu"):
             raise TypeError(
                 f"{name}: unsupported dtype {describe(t)}; q, k and v must be real: "
                 f"float16, bfloat16, float32, float64 (integers and bools compute in float64)")
-    has_bf16, has_f16 = bfloat16 in dtypes, float16 in dtypes
-    result = np.result_type(*[float16 if t == bfloat16 else t for t in dtypes])
+    has_bf16, has_f16 = bfloat16 in natives, float16 in natives
+    result = np.result_type(*[float16 if t == bfloat16 else t for t in natives])
     if result.kind in "biu":
         return float64
     if result == float16 and has_bf16:

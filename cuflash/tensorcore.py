@@ -149,7 +149,7 @@ def first_fit(workload, device: DeviceLimits) -> Optional[BlockConfig]:
         return None
     runs = [c for c in CANDIDATES if not not_supported_reasons(workload, c, device, suggest=False)]
     roomy = [c for c in runs if accumulator_words(workload, c) <= REGISTER_TARGET]
-    return (roomy or runs or [None])[0]
+    return (roomy or runs)[0] if runs else None
 
 
 def with_warps(br: int, bc: int, workload, device: DeviceLimits) -> Optional[BlockConfig]:

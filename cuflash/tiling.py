@@ -103,8 +103,15 @@ class DeviceLimits:
 
     @classmethod
     def of(cls, device=None) -> "DeviceLimits":
-        """The limits of a CUDA device (a cupy.cuda.Device, an id, or None for the current one), read through CuPy."""
-        import cupy
+        """The limits of a CUDA device (a cupy.cuda.Device, an id, or None for the current one), read through CuPy;
+        BackendUnavailableError when CuPy is missing (DeviceLimits.known plans for a GPU without one)."""
+        try:
+            import cupy
+        except ImportError as exc:
+            from .backends import BackendUnavailableError
+            raise BackendUnavailableError(
+                f"DeviceLimits.of: reading a GPU's limits needs CuPy ({exc}); pip install cupy-cuda12x, or plan "
+                f"for a GPU you do not have with DeviceLimits.known(name)") from None
 
         if device is None:
             device = cupy.cuda.Device()

@@ -21,14 +21,7 @@ def get(name, xp):
     arrays = "cupy" if xp.__name__ == "cupy" else "numpy"
     if name is None:
         name = arrays
-    if name not in NAMES:
-        raise ValueError(f"attention: unknown backend {name!r}; choose one of {', '.join(map(repr, NAMES))} or None")
-    try:
-        module = importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{name}":
-            raise
-        raise BackendUnavailableError(f"attention: backend {name!r} is not part of this version of cuflash yet") from None
+    module = _module(name)
     if module.ARRAYS != arrays:
         hint = "cupy.asarray" if module.ARRAYS == "cupy" else "cupy.asnumpy"
         raise TypeError(
@@ -37,3 +30,20 @@ def get(name, xp):
     if reason:
         raise BackendUnavailableError(f"attention: backend {name!r} is unavailable: {reason}")
     return module
+
+
+def unavailable(name):
+    """Why backend `name` cannot run on this machine (a sentence), or None when it can."""
+    reason = _module(name).unavailable()
+    return f"backend {name!r} is unavailable: {reason}" if reason else None
+
+
+def _module(name):
+    if name not in NAMES:
+        raise ValueError(f"attention: unknown backend {name!r}; choose one of {', '.join(map(repr, NAMES))} or None")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise BackendUnavailableError(f"attention: backend {name!r} is not part of this version of cuflash yet") from None
