@@ -61,6 +61,8 @@ def record_events(case, backend, block=None):
     event(f"dtype {result_dtype_name(case.q, case.k, case.v)}")
     for name, reached in (("causal", o.get("causal")), ("window", o.get("window") is not None),
                           ("mask", o.get("mask") is not None), ("bias", o.get("bias") is not None),
+                          ("bias hides keys", o.get("bias") is not None and
+                           np.isneginf(o["bias"].astype(np.float64)).any()),
                           ("large logits", case.q.size and np.abs(case.q.astype(np.float64)).max() > 8),
                           ("non-finite input", not all(np.isfinite(x.astype(np.float64)).all()
                                                        for x in (case.k, case.v)))):

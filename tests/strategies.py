@@ -82,7 +82,8 @@ def cases(draw, dtypes=FLOAT_DTYPES, lengths=LENGTHS, head_dims=HEAD_DIMS, mixed
           masks=True, biases=True, windows=True, views=VIEWS, max_batch_dims=2, key_lengths=None,
           magnitudes=MAGNITUDES, poison=True):
     """key_lengths: where m is drawn from (default: lengths, like n). magnitudes: the spread of q and k.
-    poison: sometimes put NaN and inf into keys and values that the window and mask hide (poison_hidden)."""
+    poison: put NaN and inf into keys and values that the window, mask or a -inf bias hide (poison_hidden):
+    sometimes, and always where the bias hides keys."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     n, m = draw(st.sampled_from(lengths)), draw(st.sampled_from(key_lengths or lengths))
     d, e = draw(st.sampled_from(head_dims)), draw(st.sampled_from(head_dims))
@@ -97,6 +98,7 @@ def cases(draw, dtypes=FLOAT_DTYPES, lengths=LENGTHS, head_dims=HEAD_DIMS, mixed
     k = make_view(rng, kb() + (m, d), k_dtype, view(), scale=reach)
     v = make_view(rng, vb() + (m, e), v_dtype, view())
     options = {}
+    hidden_by_bias = False
     if draw(st.booleans()):
         options["scale"] = draw(st.sampled_from([0.0, 0.05, 0.3, 1.0, -0.5]))
     if windows:
@@ -112,10 +114,11 @@ def cases(draw, dtypes=FLOAT_DTYPES, lengths=LENGTHS, head_dims=HEAD_DIMS, mixed
         bshape = draw(st.sampled_from([(n, m), (1, m), (n, 1)]))
         bias_dtype = draw(st.sampled_from([np.float32, dtype, np.float64]))
         options["bias"] = make_view(rng, kb() + bshape, bias_dtype, view(), scale=2.0)
-        if bshape[-1] == m and options["bias"].flags.writeable and draw(st.booleans()):
+        if bshape[-1] == m and options["bias"].flags.writeable and draw(st.integers(0, 3)) > 0:
             options["bias"][..., rng.random(m) < 0.3] = -np.inf  # keys hidden by bias alone, as a mask would
+            hidden_by_bias = True  # poisoned below: NaN there must not count
     case = Case(q, k, v, options)
-    if poison and draw(st.integers(0, 2)) == 0:
+    if poison and (hidden_by_bias or draw(st.integers(0, 2)) == 0):
         poison_hidden(rng, case)
     case.out_kind = draw(st.sampled_from(OUT_KINDS))
     return case
@@ -139,13 +142,13 @@ def poison_hidden(rng, case):
     def writable(x):
         return x.flags.writeable and x.shape[-2] and x.strides[-2] != 0 and x.size
     hidden = np.flatnonzero(hidden_keys(case))
-    if hidden.size and writable(case.k) and writable(case.v):
-        picked = rng.choice(hidden, size=min(hidden.size, 3), replace=False)
+    picked = rng.choice(hidden, size=min(hidden.size, 3), replace=False)
+    if picked.size and writable(case.k):
         case.k[..., picked, :] = np.nan
-        if case.v.shape[-1]:
-            case.v[..., picked, :] = np.inf
-            case.v[..., picked[:1], -1] = -np.inf
-            case.v[..., picked[-1:], 0] = np.nan
+    if picked.size and writable(case.v) and case.v.shape[-1]:
+        case.v[..., picked, :] = np.inf
+        case.v[..., picked[:1], -1] = -np.inf
+        case.v[..., picked[-1:], 0] = np.nan
     m, e = case.v.shape[-2:]
     if writable(case.v) and e and rng.random() < 0.5:
         case.v[..., rng.integers(m), rng.integers(e)] = np.nan
