@@ -3,6 +3,9 @@
 CuPy's disk cache hashes the source string and the options, not files reached through -I, so every local header
 (`#include "x.cuh"` of a file in this directory) is pasted in textually, each once: an edited header can never
 run stale. Other includes (`<cuda_fp16.h>`, the emulator's "cuflash_simt.h") stay includes.
+
+The string carries #line directives, so that whatever reads it (NVRTC's errors, g++'s, the emulator's messages,
+AddressSanitizer's and ThreadSanitizer's reports) names the true file, cuflash/kernels/NAME, and line.
 """
 
 from __future__ import annotations
@@ -20,17 +23,23 @@ def read(name: str) -> str:
         return f.read()
 
 
+def path_of(name: str) -> str:
+    """How the assembled source names a kernel file: its path in the project."""
+    return f"cuflash/kernels/{name}"
+
+
 def _inline(name: str, seen: set) -> list:
     if name in seen:  # #pragma once, textually
         return []
     seen.add(name)
-    lines = [f"// ---- {name}"]
-    for line in read(name).splitlines():
+    lines = [f'#line 1 "{path_of(name)}"']
+    for number, line in enumerate(read(name).splitlines(), start=1):
         match = LOCAL_INCLUDE.match(line)
         if match and os.path.isfile(os.path.join(HERE, match.group(1))):
             lines.extend(_inline(match.group(1), seen))
-        elif line.strip() != "#pragma once":
-            lines.append(line)
+            lines.append(f'#line {number + 1} "{path_of(name)}"')  # back in this file, after the include
+        else:
+            lines.append("" if line.strip() == "#pragma once" else line)
     return lines
 
 

@@ -71,8 +71,21 @@ def mask(src: str) -> str:
     return "".join(out)
 
 
-def _line_of(src: str, pos: int) -> int:
-    return src.count("\n", 0, pos) + 1
+_LINE_DIRECTIVE = re.compile(r'^[ \t]*#[ \t]*line[ \t]+(\d+)(?:[ \t]+"([^"]*)")?', re.M)
+
+
+def _location(src: str, pos: int, filename: str) -> tuple[str, int]:
+    """(file, line) of pos as the compiler sees it: the source's own #line directives (the project's assembled
+    kernel source has them) name the true file and line."""
+    line = src.count("\n", 0, pos) + 1
+    last = None
+    for m in _LINE_DIRECTIVE.finditer(src, 0, pos):
+        if src.count("\n", 0, m.start()) + 1 < line:
+            last = m
+    if last is None:
+        return filename, line
+    after = src.count("\n", 0, last.start()) + 2  # the line the directive numbers
+    return last.group(2) or filename, int(last.group(1)) + line - after
 
 
 def _on_directive_line(masked: str, pos: int) -> bool:
@@ -178,19 +191,20 @@ def rewrite(src: str, filename: str = "kernel.cu") -> tuple[str, list[str]]:
         ext = re.search(r"\bextern\s+$", before)
         stat = re.search(r"\bstatic\s+$", before)
         end = _statement_end(masked, m.end())
-        line = _line_of(src, pos)
+        file, line = _location(src, pos, filename)
+        where = f"{file}:{line}"
         if end < 0:
-            raise SourceError(f"{filename}:{line}: cannot find the end of this __shared__ declaration")
+            raise SourceError(f"{where}: cannot find the end of this __shared__ declaration")
         decl = src[m.end():end]
         if ext:
             if not in_function:
                 raise SourceError(
-                    f"{filename}:{line}: extern __shared__ at namespace scope; the emulator needs it declared inside "
+                    f"{where}: extern __shared__ at namespace scope; the emulator needs it declared inside "
                     f"the kernel (or the device function) that uses it, e.g. `extern __shared__ char smem[];`")
             d = re.match(r"^\s*(?P<type>.*?)\s*\b(?P<name>[A-Za-z_]\w*)\s*\[\s*\]\s*$", _ATTRS.sub(" ", decl),
                          re.S)
             if not d:
-                raise SourceError(f"{filename}:{line}: cannot read this extern __shared__ declaration; write it as "
+                raise SourceError(f"{where}: cannot read this extern __shared__ declaration; write it as "
                                   f"`extern __shared__ T name[];`")
             ty, name = " ".join(d.group("type").split()), d.group("name")
             span = src[ext.start():end + 1]

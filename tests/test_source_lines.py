@@ -1,0 +1,77 @@
+"""The assembled kernel source carries #line directives: every report (g++'s and NVRTC's errors, the emulator's
+source errors, AddressSanitizer's reports) names the true file, cuflash/kernels/NAME, and its line."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuflash import kernels, launch, simt
+from cuflash.simt import _source
+
+HERE = Path(__file__).resolve().parent
+BAD_TILE = "cuflash::fwd<float, 7, 16, 16, 16, 4>"  # Br = 7: the kernel's static_assert on its tile shape
+
+
+def line_of(name, text):
+    """The line of cuflash/kernels/NAME that holds text (exactly one)."""
+    lines = [i for i, line in enumerate(kernels.read(name).splitlines(), 1) if text in line]
+    assert len(lines) == 1, (name, text, lines)
+    return lines[0]
+
+
+def test_every_assembled_line_is_where_its_directive_says():
+    """Walk the assembled source as a preprocessor would: each line is the named file's line of that number."""
+    source = launch.source()
+    files = {}
+    for pos in [m.start() for m in re.finditer(r"^", source, flags=re.M)][:-1]:
+        line = source[pos:source.find("\n", pos)]
+        if line.startswith("#line"):
+            continue
+        file, number = _source._location(source, pos, "?")
+        assert file.startswith("cuflash/kernels/"), (file, line)
+        name = file.rsplit("/", 1)[1]
+        text = files.setdefault(name, kernels.read(name).splitlines())
+        original = text[number - 1]
+        assert line == ("" if original.strip() == "#pragma once" else original), (file, number)
+    assert set(files) == {"forward_mma.cuh", "forward.cuh", "tile.cuh", "common.cuh", "mma_tile.cuh", "ptx.cuh"}
+
+
+@pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
+def test_gxx_errors_name_the_true_line():
+    with pytest.raises(simt.CompileError) as error:
+        simt.RawModule(code=launch.source(), name_expressions=[BAD_TILE], filename="forward_mma.cuh")
+    line = line_of("forward.cuh", "static_assert(Br % RG == 0")
+    assert re.search(rf"cuflash/kernels/forward\.cuh:{line}:\d+: error: static assertion failed", str(error.value)), \
+        str(error.value)[-3000:]
+
+
+def test_nvrtc_errors_name_the_true_line():
+    from cuflash import nvrtc
+    with pytest.raises(nvrtc.CompileError) as error:
+        nvrtc.compile_program(launch.source(), [BAD_TILE], "sm_80")
+    line = line_of("forward.cuh", "static_assert(Br % RG == 0")
+    assert f"cuflash/kernels/forward.cuh({line}): error: static assertion failed" in str(error.value), \
+        str(error.value)[-3000:]
+
+
+def test_emulator_source_errors_name_the_true_line():
+    declaration = "extern __shared__ __align__(16) unsigned char smem[];"
+    source = launch.source().replace(declaration, "extern __shared__ unsigned char smem[16];", 1)
+    line = line_of("forward.cuh", declaration)
+    with pytest.raises(_source.SourceError, match=rf"^cuflash/kernels/forward\.cuh:{line}: cannot read this extern"):
+        _source.rewrite(source, "forward_mma.cuh")
+
+
+@pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
+def test_asan_reports_name_the_true_line_of_a_kernel_helper():
+    env = simt.memcheck_env(mode=None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(HERE / "simt" / "lines_child.py")], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode != 0 and "AddressSanitizer: heap-buffer-overflow" in r.stderr, r.stdout + r.stderr[-4000:]
+    line = line_of("tile.cuh", "dst[r * LD + c] = (r < rows && c < cols) ? src[r * row_stride + c * col_stride]")
+    assert re.search(rf"cuflash/kernels/tile\.cuh:{line}\b", r.stderr), r.stderr[-4000:]
