@@ -218,17 +218,17 @@ def main(argv=None) -> int:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
     if args.list:
         for x in chosen:
-            print(f"{x.name:30} {x.file:32} {x.why}")
+            print(f"{x.name:34} {x.file:32} {x.why}")
         return 0
     for x in chosen:  # fail fast on a list that no longer applies
         mutated(x, (ROOT / x.file).read_text())
     start = time.time()
-    print(f"{'mutant':30} {'verdict':9} {'seconds':>7}  caught by")
+    print(f"{'mutant':34} {'verdict':9} {'seconds':>7}  caught by")
     results = []
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for row in pool.map(lambda x: run_one(x, args.timeout), chosen):
             results.append(row)
-            print(f"{row['mutant']:30} {row['verdict']:9} {row['seconds']:7.1f}  {row['by']}", flush=True)
+            print(f"{row['mutant']:34} {row['verdict']:9} {row['seconds']:7.1f}  {row['by']}", flush=True)
     caught = sum(r["verdict"] == "caught" for r in results)
     print(f"{caught} of {len(results)} mutants caught in {time.time() - start:.0f} s")
     if args.json:
