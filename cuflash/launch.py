@@ -227,28 +227,44 @@ def _launch(problem, operands, shape, batch_strides, e, config, split, xp, acc) 
 # Small constant arrays kept on the device
 
 
-_resident = {}  # (device id, dtype, bytes) -> device array holding those bytes
+_resident = {}  # (device id, dtype, bytes) -> device array holding those bytes, oldest first
+_captured = set()  # keys of the tables a CUDA graph capture has used
 
 
 def resident(xp, host: np.ndarray):
     """`host` as an array of xp. On a GPU it is copied once per device and kept: a loop of calls with the same shapes
-    then makes no host-to-device copy (which would block the host) and no allocation per call."""
+    then makes no host-to-device copy (which would block the host) and no allocation per call.
+
+    Lifetime, the one invariant: a table is freed only when no launch can read it any more. Kernels queued on any
+    stream of its device have finished before it is evicted (the device is synchronized first), and a table a
+    graph capture used is never evicted, since every replay of that graph reads it."""
     if xp is np:
         return host
     key = (xp.cuda.Device().id, host.dtype.str, host.tobytes())
+    stream = xp.cuda.get_current_stream()
     array = _resident.get(key)
     if array is None:
-        stream = xp.cuda.get_current_stream()
         if stream.is_capturing():
             raise RuntimeError("attention: the first call with these shapes (and strides) on this device copies a "
                                "small table to the GPU, which a CUDA graph cannot capture: make one call outside "
                                "the capture first (a warm-up), then capture")
         if len(_resident) >= RESIDENT_LIMIT:
-            _resident.pop(next(iter(_resident)))  # the oldest; its memory returns to the pool in stream order
+            _evict_oldest(xp)
         array = _resident[key] = xp.asarray(host)
         # The copy runs on the current stream; a later call may launch on another one, so it must have landed.
         stream.synchronize()
+    elif stream.is_capturing():
+        _captured.add(key)
     return array
+
+
+def _evict_oldest(xp) -> None:
+    """Drop the oldest table no captured graph holds, once its device has finished every queued kernel."""
+    key = next((key for key in _resident if key not in _captured), None)
+    if key is None:
+        return  # every table belongs to a captured graph: keep them all
+    xp.cuda.Device(key[0]).synchronize()
+    del _resident[key]
 
 
 def placeholder(xp, dtype):

@@ -45,6 +45,7 @@ class _State:
     launches = []  # (name, grid, block, shared_mem, device) of every kernel launch
     host_copies = 0  # host-to-device copies (asarray of host data)
     allocations = 0  # arrays made on the device (empty, zeros, host copies)
+    device_syncs = 0  # cudaDeviceSynchronize calls
 
 
 class MemoryPointer:
@@ -74,6 +75,9 @@ class Device:
 
     def use(self):
         _State.current = self.id
+
+    def synchronize(self):
+        _State.device_syncs += 1
 
     @property
     def compute_capability(self):
@@ -418,6 +422,7 @@ def cupy(monkeypatch):
     monkeypatch.setattr(cupy_backend, "_functions", {})
     monkeypatch.setattr(cupy_backend, "_limits", {})
     monkeypatch.setattr(launch, "_resident", {})
+    monkeypatch.setattr(launch, "_captured", set())
     api.cupy_bfloat16_problem.cache_clear()
     monkeypatch.setattr(_State, "current", 0)
     monkeypatch.setattr(_State, "bfloat16", True)
@@ -558,6 +563,30 @@ def test_graph_capture_needs_a_warm_up_call(cupy, monkeypatch):
     copies = _State.host_copies
     np.testing.assert_array_equal(cuflash.attention(q, k, v).get(), warm.get())
     assert _State.host_copies == copies
+
+
+def test_resident_tables_outlive_every_launch_that_may_read_them(cupy, monkeypatch):
+    """Evicting a kept geometry table waits for its device first (a kernel queued on another stream may still
+    read it), and a table that a graph capture used is never evicted (every replay reads it)."""
+    monkeypatch.setattr(launch, "RESIDENT_LIMIT", 4)
+    monkeypatch.setattr(launch, "_captured", set())
+    rng = np.random.default_rng(9)
+
+    def call(n):
+        q, k, v = (cupy.asarray(rng.standard_normal((2, n, 16)).astype(np.float32)) for _ in range(3))
+        return cuflash.attention(q, k, v)
+
+    call(8)  # the warm-up
+    monkeypatch.setattr(Stream, "capturing", True)
+    call(8)  # captured: its tables now belong to a graph
+    monkeypatch.setattr(Stream, "capturing", False)
+    held = set(launch._captured)
+    assert held and held <= set(launch._resident)
+    syncs = _State.device_syncs
+    for n in range(9, 20):  # new shapes: each a new table, past the limit
+        call(n)
+    assert held <= set(launch._resident) and len(launch._resident) <= 4
+    assert _State.device_syncs - syncs >= 19 - 9  # an eviction per new table, each after a device synchronize
 
 
 def test_operands_on_another_device_run_there(cupy):
