@@ -44,6 +44,12 @@ class Case:
         return f"Case(q={desc(self.q)}, k={desc(self.k)}, v={desc(self.v)}, options={opts}, out_kind={self.out_kind!r})"
 
 
+def randn(seed, shape, dtype=np.float32, scale=1.0):
+    """Values ~ N(0, scale) of `shape` in `dtype`: the one helper for named tests' data. seed: an int, or a
+    NumPy Generator whose stream it continues."""
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
+
+
 def make_view(rng, shape, dtype, kind, scale=1.0):
     """An array of `shape` with values ~ N(0, scale), held in the requested kind of view."""
     shape = tuple(shape)

@@ -14,12 +14,9 @@ import cuflash
 from cuflash import BlockConfig
 from cuflash.__main__ import main
 from reference import assert_accurate
+from strategies import randn
 
 BIG = np.iinfo(np.int64).max
-
-
-def rand(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
 
 
 @pytest.fixture(params=["numpy", "simt-fma", "simt-mma"])
@@ -39,14 +36,14 @@ def run(request):
                                     (None, 2**63), (3, 40 + 37), (3, 40 + 36)])
 def test_window_sides_of_any_size(run, window):
     """A side at or past n + m reaches past every key (unbounded); one at or below -(n + m) hides every key."""
-    (out, lse), (q, k, v) = run(rand((40, 8)), rand((37, 8), seed=1), rand((37, 5), seed=2), window=window)
+    (out, lse), (q, k, v) = run(randn(0, (40, 8)), randn(1, (37, 8)), randn(2, (37, 5)), window=window)
     assert_accurate(out, q, k, v, lse=lse, window=window)
 
 
 def test_any_byte_order():
     """Big-endian operands (as FITS files hold them), bias and out= are taken as NumPy takes them."""
-    q, k, v = rand((2, 9, 8)), rand((2, 11, 8), seed=1), rand((2, 11, 4), seed=2)
-    bias = rand((9, 11), seed=3)
+    q, k, v = randn(0, (2, 9, 8)), randn(1, (2, 11, 8)), randn(2, (2, 11, 4))
+    bias = randn(3, (9, 11))
     big = [x.astype(x.dtype.newbyteorder(">")) for x in (q, k, v, bias)]
     for backend in ("numpy", "simt"):
         out = np.full((2, 9, 4), np.nan, dtype=">f4")
@@ -58,7 +55,7 @@ def test_any_byte_order():
 
 @pytest.mark.parametrize("where", ["q", "k", "v", "mask", "bias", "out"])
 def test_masked_arrays_are_refused_with_a_pointer_to_mask(where):
-    arrays = dict(q=rand((4, 8)), k=rand((5, 8)), v=rand((5, 3)), mask=np.ones((4, 5), bool),
+    arrays = dict(q=randn(0, (4, 8)), k=randn(0, (5, 8)), v=randn(0, (5, 3)), mask=np.ones((4, 5), bool),
                   bias=np.zeros((4, 5), np.float32), out=np.zeros((4, 3), np.float32))
     arrays[where] = np.ma.masked_array(arrays[where], mask=np.zeros(arrays[where].shape, bool))
     q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
@@ -71,8 +68,8 @@ def test_a_minus_inf_bias_hides_its_key_like_the_mask(run):
     """NaN and inf in keys and values that only a -inf bias hides never reach the output (by selection, as with
     mask=), whether the bias hides a key from every row or from some rows."""
     n, m = 33, 47
-    q, k, v = rand((2, n, 16)), rand((2, m, 16), seed=1), rand((2, m, 8), seed=2)
-    bias = rand((n, m), seed=3)
+    q, k, v = randn(0, (2, n, 16)), randn(1, (2, m, 16)), randn(2, (2, m, 8))
+    bias = randn(3, (n, m))
     bias[:, [0, 20, 46]] = -np.inf  # hidden from every row
     bias[5:, 10] = -np.inf  # hidden from rows 5.. only
     k[:, [0, 20]] = np.nan
@@ -84,7 +81,7 @@ def test_a_minus_inf_bias_hides_its_key_like_the_mask(run):
 
 
 def test_scalars_and_flags_like_numpy():
-    q = rand((4, 8))
+    q = randn(0, (4, 8))
     expected = cuflash.attention(q, q, q, scale=0.5)
     for scale in (np.array(0.5), np.float32(0.5), np.array(0.5, np.float16), 0.5):
         np.testing.assert_array_equal(cuflash.attention(q, q, q, scale=scale), expected)
@@ -118,7 +115,8 @@ def test_demo_runs_every_legal_size(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [(["--n", "-3"], "-3 is negative"), (["--d", "x"], "'x' is not an integer"),
-                                         (["--heads", "-1"], "-1 is negative"), (["--backend", "gpu"], "invalid choice")])
+                                         (["--heads", "-1"], "-1 is negative"),
+                                         (["--backend", "gpu"], "invalid choice")])
 def test_demo_refuses_bad_sizes_in_one_line(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)

@@ -19,17 +19,13 @@ from cuflash import BlockConfig, DeviceLimits, launch, tensorcore, tiling
 from cuflash.tiling import Workload
 from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
-from strategies import cases
+from strategies import cases, randn
 
 pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT emulator needs g++")
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 HALVES = (F16, BF16)
 H100, A100, A10, V100 = (DeviceLimits.known(name) for name in ("H100", "A100", "A10", "V100"))
-
-
-def rand(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -54,7 +50,7 @@ def test_split_keys(case):
 
 def test_split_keys_launch():
     rng = np.random.default_rng(11)
-    q, k, v = rand(rng, (1, 100, 64), F16), rand(rng, (1, 2000, 64), F16), rand(rng, (1, 2000, 40), F16)
+    q, k, v = randn(rng, (1, 100, 64), F16), randn(rng, (1, 2000, 64), F16), randn(rng, (1, 2000, 40), F16)
     problem, out, lse = problem_and_outputs(q, k, v, causal=True)
     config = tiling.resolve("mma", problem, H100)
     assert tiling.key_splits(problem, config, H100) == 3  # one query tile; 2000 // 512 splits at most
@@ -72,7 +68,7 @@ def test_native_head_dims(d):
     """Each bucket once, with a window straddling tiles, a key tail and rows past n in the last tile."""
     rng = np.random.default_rng(d)
     dtype = HALVES[d // 32 % 2]
-    q, k, v = rand(rng, (2, 45, d), dtype), rand(rng, (1, 77, d), dtype), rand(rng, (2, 77, d), dtype)
+    q, k, v = randn(rng, (2, 45, d), dtype), randn(rng, (1, 77, d), dtype), randn(rng, (2, 77, d), dtype)
     out, lse = cuflash.attention(q, k, v, window=(40, 3), backend="simt", block="mma", return_lse=True)
     assert_accurate(out, q, k, v, lse=lse, window=(40, 3))
 
@@ -95,7 +91,7 @@ def test_block_configurations(case):
 def test_causal_both_ways(n, m, dtype):
     """Bottom-right causal: n < m skips no tile at the start, n > m leaves the first rows with nothing (0, -inf)."""
     rng = np.random.default_rng(n * 1000 + m)
-    q, k, v = rand(rng, (n, 64), dtype), rand(rng, (m, 64), dtype), rand(rng, (m, 40), dtype)
+    q, k, v = randn(rng, (n, 64), dtype), randn(rng, (m, 64), dtype), randn(rng, (m, 40), dtype)
     out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", block=BlockConfig.mma(32, 32, 2),
                                  return_lse=True)
     assert_accurate(out, q, k, v, lse=lse, causal=True)
@@ -127,7 +123,7 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
     vote sends P V through the CUDA-core path that skips hidden (row, key) pairs; a visible inf still counts."""
     rng = np.random.default_rng(11)
     n, m, d = 40, 70, 32
-    q, k, v = rand(rng, (n, d), dtype, 0.3), rand(rng, (m, d), dtype, 0.3), rand(rng, (m, d), dtype)
+    q, k, v = randn(rng, (n, d), dtype, 0.3), randn(rng, (m, d), dtype, 0.3), randn(rng, (m, d), dtype)
     mask = rng.random((n, m)) < 0.7
     mask[:, :3] = False
     k[:3], v[:3] = np.nan, np.inf  # hidden from all rows by the mask
@@ -139,7 +135,7 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
         out = cuflash.attention(q, k, v, causal=True, window=(20, None), backend="simt", block=block)
         assert_accurate(out, q, k, v, causal=True, window=(20, None))
     # Q_i read from shared memory each tile (MT * D > 128): P's scratch rows have their own space.
-    q2, k2 = rand(rng, (n, 160), dtype, 0.2), rand(rng, (m, 160), dtype, 0.2)
+    q2, k2 = randn(rng, (n, 160), dtype, 0.2), randn(rng, (m, 160), dtype, 0.2)
     block = BlockConfig.mma(32, 32, 1)
     assert not tensorcore.q_in_registers(Workload(dtype, 160, d), block)
     out = cuflash.attention(q2, k2, v, mask=mask, causal=True, backend="simt", block=block)
@@ -148,7 +144,7 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
 
 def test_fully_masked_rows_and_bias_minus_inf():
     rng = np.random.default_rng(12)
-    q, k, v = rand(rng, (2, 33, 64), F16), rand(rng, (2, 50, 64), F16), rand(rng, (2, 50, 64), F16)
+    q, k, v = randn(rng, (2, 33, 64), F16), randn(rng, (2, 50, 64), F16), randn(rng, (2, 50, 64), F16)
     mask = np.ones((33, 50), bool)
     mask[3] = False
     bias = np.zeros((33, 50), np.float32)
@@ -162,9 +158,9 @@ def test_fully_masked_rows_and_bias_minus_inf():
 def test_grouped_query_attention_and_strided_views():
     """Broadcast K/V heads, a transposed Q (element loads instead of cp.async) and a strided out."""
     rng = np.random.default_rng(13)
-    q = np.swapaxes(rand(rng, (2, 4, 64, 33), BF16), -1, -2)
-    k, v = rand(rng, (2, 1, 47, 64), BF16), rand(rng, (2, 1, 47, 96), BF16)[..., ::-1, :]
-    bias = rand(rng, (4, 1, 47), np.float32)
+    q = np.swapaxes(randn(rng, (2, 4, 64, 33), BF16), -1, -2)
+    k, v = randn(rng, (2, 1, 47, 64), BF16), randn(rng, (2, 1, 47, 96), BF16)[..., ::-1, :]
+    bias = randn(rng, (4, 1, 47), np.float32)
     out = np.full((2, 4, 33, 2 * 96), np.nan, BF16)[..., ::2]
     cuflash.attention(q, k, v, bias=bias, window=(10, 3), out=out, backend="simt", block="mma")
     assert_accurate(out, q, k, v, bias=bias, window=(10, 3))
@@ -193,7 +189,7 @@ def test_dispatcher_falls_back_to_cuda_cores(workload, device):
 
 def test_simt_backend_picks_tensor_cores_for_halves():
     rng = np.random.default_rng(14)
-    q = rand(rng, (20, 64), F16)
+    q = randn(rng, (20, 64), F16)
     problem, out, lse = problem_and_outputs(q, q, q)
     config = tiling.resolve(None, problem, cuflash.backends.simt.DEVICE)
     (only,) = launch.launches(problem, out, lse, config)
@@ -233,35 +229,8 @@ def test_forced_choice_raises_through_the_front_door():
 # Memcheck
 
 
-MEMCHECK_SCRIPT = r"""
-import numpy as np, ml_dtypes, cuflash
-from cuflash import BlockConfig
-from reference import assert_accurate
-rng = np.random.default_rng(15)
-def r(shape, dt=np.float16, s=1.0):
-    return (rng.standard_normal(shape) * s).astype(dt)
-# tails in every direction, cp.async and element loads, mask, bias, window, lse, the hidden-NaN path
-q = r((2, 37, 2 * 40))[..., ::2]
-k, v = r((1, 45, 40)), r((2, 45, 23))[:, ::-1]
-mask = rng.random((37, 45)) < 0.8
-v[0, 3, 1] = np.nan
-bias = r((2, 1, 45), np.float32)
-out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt",
-                             block=BlockConfig.mma(32, 16, 1), return_lse=True)
-assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
-qb, kb, vb = r((3, 29, 64), ml_dtypes.bfloat16), r((3, 70, 64), ml_dtypes.bfloat16), r((3, 70, 64), ml_dtypes.bfloat16)
-out = cuflash.attention(qb, kb, vb, causal=True, backend="simt", block=BlockConfig.mma(64, 32, 2))
-assert_accurate(out, qb, kb, vb, causal=True)
-# split keys: float partial results written from the fragments, a ragged last split, a strided value dim
-qs, ks, vs = r((1, 20, 32)), r((1, 1100, 32)), r((1, 1100, 2 * 19))[..., ::2]
-out, lse = cuflash.attention(qs, ks, vs, backend="simt", block="mma", return_lse=True)
-assert_accurate(out, qs, ks, vs, lse=lse)
-print("memcheck ok")
-"""
-
-
 @pytest.mark.memcheck
 def test_memcheck_under_address_sanitizer():
     """Out-of-bounds global, shared or cp.async accesses of the tensor-core kernel abort under ASan."""
-    result = run_under_memcheck(MEMCHECK_SCRIPT)
+    result = run_under_memcheck("mma")
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]

@@ -15,7 +15,7 @@ from cuflash import BlockConfig, launch, tiling
 from cuflash.backends import simt
 from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
-from strategies import Case, cases
+from strategies import Case, cases, randn
 
 pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT emulator needs g++")
 
@@ -62,8 +62,8 @@ def test_split_keys(case):
 
 def test_split_keys_launch_and_hidden_values():
     rng = np.random.default_rng(9)
-    q, k, v = rand(rng, (2, 1, 3, 64), np.float16), rand(rng, (2, 1, 2000, 64), np.float16), \
-        rand(rng, (2, 1, 2000, 64), np.float16)
+    q, k, v = randn(rng, (2, 1, 3, 64), np.float16), randn(rng, (2, 1, 2000, 64), np.float16), \
+        randn(rng, (2, 1, 2000, 64), np.float16)
     mask = rng.random((3, 2000)) < 0.5
     mask[:, 600:1400] = False  # whole splits see nothing
     mask[1] = False  # a row no split sees
@@ -83,7 +83,7 @@ def test_split_keys_launch_and_hidden_values():
 def test_split_keys_with_slices_and_column_blocks():
     """Decoding with head dims past the largest tile: d in slices, e in column blocks, keys in splits at once."""
     rng = np.random.default_rng(10)
-    q, k, v = rand(rng, (2, 3, 600)), rand(rng, (2, 1100, 600)), rand(rng, (2, 1100, 700))
+    q, k, v = randn(rng, (2, 3, 600)), randn(rng, (2, 1100, 600)), randn(rng, (2, 1100, 700))
     problem, out, lse = problem_and_outputs(q, k, v, causal=True)
     config = tiling.resolve(None, problem, simt.DEVICE)
     assert tiling.key_splits(problem, config, simt.DEVICE) == 2
@@ -94,8 +94,8 @@ def test_split_keys_with_slices_and_column_blocks():
 
 def test_wide_e_is_split_into_column_blocks():
     rng = np.random.default_rng(8)
-    q, k = rand(rng, (2, 9, 70), np.float64), rand(rng, (2, 33, 70), np.float64)
-    v = rand(rng, (2, 33, 2 * 1100), np.float64)[..., ::2]
+    q, k = randn(rng, (2, 9, 70), np.float64), randn(rng, (2, 33, 70), np.float64)
+    v = randn(rng, (2, 33, 2 * 1100), np.float64)[..., ::2]
     problem, out, lse = problem_and_outputs(q, k, v)
     blocks = launch.launches(problem, out, lse, BlockConfig(4, 16, warps=2))
     assert [x.name for x in blocks] == ["cuflash::fwd<double, 4, 16, 128, 512, 2>"] * 3
@@ -131,15 +131,11 @@ def test_emulator_schedules(schedule, case):
             os.environ["CUFLASH_SIMT_SEED"] = old
 
 
-def rand(rng, shape, dtype=np.float32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64])
 def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
     rng = np.random.default_rng(1)
     n, m, d = 40, 50, 16
-    q, k, v = rand(rng, (n, d), dtype), rand(rng, (m, d), dtype), rand(rng, (m, d), dtype)
+    q, k, v = randn(rng, (n, d), dtype), randn(rng, (m, d), dtype), randn(rng, (m, d), dtype)
     mask = rng.random((n, m)) < 0.7
     hidden = ~mask.any(axis=0)
     mask[:, :3] = False  # keys 0..2 hidden from every row by the mask
@@ -157,7 +153,7 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
 
 def test_fully_masked_rows_and_no_keys():
     rng = np.random.default_rng(2)
-    q, k, v = rand(rng, (2, 9, 8)), rand(rng, (2, 20, 8)), rand(rng, (2, 20, 5))
+    q, k, v = randn(rng, (2, 9, 8)), randn(rng, (2, 20, 8)), randn(rng, (2, 20, 5))
     mask = np.ones((9, 20), bool)
     mask[3] = False
     out, lse = cuflash.attention(q, k, v, mask=mask, backend="simt", return_lse=True)
@@ -169,9 +165,9 @@ def test_fully_masked_rows_and_no_keys():
 
 def test_grouped_query_attention_by_broadcasting():
     rng = np.random.default_rng(3)
-    q = rand(rng, (2, 4, 33, 16), np.float16)
-    k, v = rand(rng, (2, 1, 47, 16), np.float16), rand(rng, (2, 1, 47, 24), np.float16)
-    bias = rand(rng, (4, 1, 47))  # per head, broadcast over rows
+    q = randn(rng, (2, 4, 33, 16), np.float16)
+    k, v = randn(rng, (2, 1, 47, 16), np.float16), randn(rng, (2, 1, 47, 24), np.float16)
+    bias = randn(rng, (4, 1, 47))  # per head, broadcast over rows
     out = cuflash.attention(q, k, v, bias=bias, window=(10, 3), backend="simt")
     assert_accurate(out, q, k, v, bias=bias, window=(10, 3))
 
@@ -180,9 +176,9 @@ def test_batch_with_more_dims_than_the_kernel_takes():
     """Seven batch dims that no two operands walk alike cannot be coalesced: one launch per leading index."""
     rng = np.random.default_rng(4)
     batch = (2,) * 7
-    q = rand(rng, batch + (5, 4))
-    k = rand(rng, (2, 1) * 3 + (2, 6, 4))
-    v = rand(rng, (1, 2) * 3 + (2, 6, 3))
+    q = randn(rng, batch + (5, 4))
+    k = randn(rng, (2, 1) * 3 + (2, 6, 4))
+    v = randn(rng, (1, 2) * 3 + (2, 6, 3))
     problem_launches = launch.launches(*problem_and_outputs(q, k, v), BlockConfig(16, 16))
     assert len(problem_launches) == 2
     out = cuflash.attention(q, k, v, backend="simt")
@@ -192,7 +188,7 @@ def test_batch_with_more_dims_than_the_kernel_takes():
 @pytest.mark.parametrize("offset", [0, 1])
 def test_vector_loads_only_when_aligned(offset):
     rng = np.random.default_rng(5)
-    base = rand(rng, (3, 40, 64 + 8), np.float16)
+    base = randn(rng, (3, 40, 64 + 8), np.float16)
     q = base[:, :, offset:offset + 64]  # offset 1: every row starts 2 bytes past a 16-byte boundary
     k, v = base[:, :37, 8 - offset:72 - offset], base[:, 3:, :64]
     problem, out, lse = problem_and_outputs(q, k, v)
@@ -205,7 +201,7 @@ def test_vector_loads_only_when_aligned(offset):
 
 def test_launch_uses_the_shared_memory_model():
     rng = np.random.default_rng(6)
-    q, k, v = rand(rng, (20, 59)), rand(rng, (30, 59)), rand(rng, (30, 111))
+    q, k, v = randn(rng, (20, 59)), randn(rng, (30, 59)), randn(rng, (30, 111))
     problem, out, lse = problem_and_outputs(q, k, v)
     config = BlockConfig(32, 64)
     (only,) = launch.launches(problem, out, lse, config)
@@ -224,42 +220,9 @@ def test_invalid_blocks_raise_with_reasons():
         cuflash.attention(q, q, q, backend="simt", block=BlockConfig(256, 256, warps=8))
 
 
-MEMCHECK_SCRIPT = r"""
-import numpy as np, ml_dtypes, cuflash, cuflash.simt
-from reference import assert_accurate
-# The emulator's own memcheck mode on a trivial kernel first, so its failures are told apart from the kernel's.
-probe = cuflash.simt.RawModule(code='extern "C" __global__ void probe(float* x) { float y[64]; '
-                               'for (int i = 0; i < 64; ++i) y[i] = i * x[i]; x[threadIdx.x] = y[threadIdx.x]; }')
-buf = np.zeros(64, np.float32)
-for _ in range(2):  # fiber stacks reused across blocks and launches
-    probe.get_function("probe")((4,), (32,), (buf,))
-print("probe ok", flush=True)
-rng = np.random.default_rng(7)
-def r(shape, dt=np.float32):
-    return rng.standard_normal(shape).astype(dt)
-# tails in every direction, strided and offset views, mask, bias, window, lse
-q = r((2, 37, 2 * 19))[..., ::2]
-k = r((1, 45, 19)); v = r((2, 45, 23))[:, ::-1]
-mask = rng.random((37, 45)) < 0.8
-bias = r((2, 1, 45), np.float16)
-for block in [(16, 16), (32, 64)]:
-    out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt", block=block,
-                                 return_lse=True)
-    assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
-# head dims past the largest bucket: three slices of d (the last 6 wide) and two column blocks of e
-q, k, v = r((9, 2 * 1030))[:, ::2], r((20, 1030)), r((20, 600))
-out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", return_lse=True)
-assert_accurate(out, q, k, v, lse=lse, causal=True)
-q16, k16, v16 = r((3, 29, 64), np.float16), r((3, 70, 64), np.float16), r((3, 70, 64), np.float16)
-out = cuflash.attention(q16, k16, v16, causal=True, backend="simt")
-assert_accurate(out, q16, k16, v16, causal=True)
-print("memcheck ok")
-"""
-
-
 @pytest.mark.memcheck
 def test_memcheck_under_address_sanitizer():
     """A representative subset in the emulator's memcheck mode: out-of-bounds global or shared accesses abort."""
-    result = run_under_memcheck(MEMCHECK_SCRIPT)
+    result = run_under_memcheck("fma")
     assert "probe ok" in result.stdout, "memcheck fails on a trivial kernel: " + result.stderr[-4000:]
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]

@@ -1,0 +1,76 @@
+"""The forward kernels' memcheck cases: representative problems run in the emulator's memcheck mode, in a child
+Python with AddressSanitizer preloaded (harness.run_under_memcheck), where the first out-of-bounds global, shared
+or cp.async access aborts with ASan's report. Usage: python memcheck_cases.py CASE (a name in CASES); a clean
+case prints "memcheck ok"."""
+
+import sys
+
+import ml_dtypes
+import numpy as np
+
+import cuflash
+import cuflash.simt
+from cuflash import BlockConfig
+from reference import assert_accurate
+from strategies import randn
+
+
+def case_probe():
+    """The emulator's own memcheck mode on a trivial kernel, so its failures are told apart from a kernel's."""
+    probe = cuflash.simt.RawModule(code='extern "C" __global__ void probe(float* x) { float y[64]; '
+                                   'for (int i = 0; i < 64; ++i) y[i] = i * x[i]; x[threadIdx.x] = y[threadIdx.x]; }')
+    buf = np.zeros(64, np.float32)
+    for _ in range(2):  # fiber stacks reused across blocks and launches
+        probe.get_function("probe")((4,), (32,), (buf,))
+    print("probe ok", flush=True)
+
+
+def case_fma():
+    """The CUDA-core kernel: tails in every direction, strided and offset views, mask, bias, window, lse; head
+    dims past the largest bucket (three slices of d, the last 6 wide, and two column blocks of e)."""
+    case_probe()
+    rng = np.random.default_rng(7)
+    q = randn(rng, (2, 37, 2 * 19), np.float32)[..., ::2]
+    k, v = randn(rng, (1, 45, 19), np.float32), randn(rng, (2, 45, 23), np.float32)[:, ::-1]
+    mask = rng.random((37, 45)) < 0.8
+    bias = randn(rng, (2, 1, 45), np.float16)
+    for block in [(16, 16), (32, 64)]:
+        out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt", block=block,
+                                     return_lse=True)
+        assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
+    q, k, v = (randn(rng, (9, 2 * 1030), np.float32)[:, ::2], randn(rng, (20, 1030), np.float32),
+               randn(rng, (20, 600), np.float32))
+    out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", return_lse=True)
+    assert_accurate(out, q, k, v, lse=lse, causal=True)
+    q, k, v = (randn(rng, shape, np.float16) for shape in ((3, 29, 64), (3, 70, 64), (3, 70, 64)))
+    out = cuflash.attention(q, k, v, causal=True, backend="simt")
+    assert_accurate(out, q, k, v, causal=True)
+
+
+def case_mma():
+    """The tensor-core kernel: tails in every direction, cp.async and element loads, mask, bias, window, lse, the
+    hidden-NaN path; bfloat16; split keys (float partial results written from the fragments, a ragged last split,
+    a strided value dim)."""
+    rng = np.random.default_rng(15)
+    q = randn(rng, (2, 37, 2 * 40), np.float16)[..., ::2]
+    k, v = randn(rng, (1, 45, 40), np.float16), randn(rng, (2, 45, 23), np.float16)[:, ::-1]
+    mask = rng.random((37, 45)) < 0.8
+    v[0, 3, 1] = np.nan
+    bias = randn(rng, (2, 1, 45), np.float32)
+    out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt",
+                                 block=BlockConfig.mma(32, 16, 1), return_lse=True)
+    assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
+    q, k, v = (randn(rng, shape, ml_dtypes.bfloat16) for shape in ((3, 29, 64), (3, 70, 64), (3, 70, 64)))
+    out = cuflash.attention(q, k, v, causal=True, backend="simt", block=BlockConfig.mma(64, 32, 2))
+    assert_accurate(out, q, k, v, causal=True)
+    q, k = randn(rng, (1, 20, 32), np.float16), randn(rng, (1, 1100, 32), np.float16)
+    v = randn(rng, (1, 1100, 2 * 19), np.float16)[..., ::2]
+    out, lse = cuflash.attention(q, k, v, backend="simt", block="mma", return_lse=True)
+    assert_accurate(out, q, k, v, lse=lse)
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+if __name__ == "__main__":
+    CASES[sys.argv[1]]()
+    print("memcheck ok")
