@@ -17,7 +17,7 @@ from numpy.typing import ArrayLike
 
 from . import backends
 from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
-from .problem import SIGNATURE, Problem, default_scale
+from .problem import SIGNATURE, Problem, Window, default_scale
 
 if TYPE_CHECKING:
     from .tiling import BlockConfig
@@ -26,7 +26,7 @@ NAME = "attention"
 
 
 Array = Any  # a numpy.ndarray, or a cupy.ndarray on a GPU (CuPy is optional, so no stricter type here)
-Window = Tuple[Optional[int], Optional[int]]
+WindowSides = Tuple[Optional[int], Optional[int]]
 Scalar = Union[float, np.number, np.ndarray]  # a Python or NumPy real number, or a 0-d array
 Flag = Union[bool, np.bool_]
 Block = Union[Tuple[int, int], str, "BlockConfig", None]
@@ -34,20 +34,20 @@ Block = Union[Tuple[int, int], str, "BlockConfig", None]
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
-              window: Optional[Window] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
+              window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               out: Optional[Array] = None, return_lse: Literal[False] = False, backend: Optional[str] = None,
               block: Block = None) -> Array: ...
 
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
-              window: Optional[Window] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
+              window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               out: Optional[Array] = None, return_lse: Union[Literal[True], np.bool_], backend: Optional[str] = None,
               block: Block = None) -> Tuple[Array, Array]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
-              window: Optional[Window] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
+              window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               out: Optional[Array] = None, return_lse: Flag = False, backend: Optional[str] = None,
               block: Block = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
@@ -100,7 +100,7 @@ def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, 
         batch=batch, n=n, m=m, d=d, e=e,
         dtype=dtype, acc_dtype=acc_dtype_of(dtype),
         scale=check_scale(scale, d),
-        window=visibility_window(window, causal, n, m),
+        window=visibility_window(window, causal),
         xp=xp,
         bias_hides=bias_may_hide(bias, xp),
     )
@@ -287,28 +287,23 @@ def check_flag(value, name):
     return bool(value)
 
 
-def visibility_window(window, causal, n, m):
-    """(left, right) from window= and causal=; None means unbounded. A side at or past n + m reaches past every
-    key, so it is unbounded; one at or below -(n + m) hides every key, and is held there (sides of any size,
-    past int64 too, never overflow the arithmetic of a backend)."""
+def visibility_window(window, causal):
+    """The Window of window= and causal=, checked (sides are ints of any size: Window.reach holds them within
+    +-(n + m + 1), where they mean the same)."""
     causal = check_flag(causal, "causal")
-    left = right = None
     if window is not None:
         if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(f"{NAME}: window must be a pair (left, right) of ints or None, got {window!r}")
-        left, right = (check_window_side(side, name, n + m) for side, name in zip(window, ("left", "right")))
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    return left, right
+        window = tuple(check_window_side(side, name) for side, name in zip(window, ("left", "right")))
+    return Window.of(window, causal)
 
 
-def check_window_side(side, name, reach):
+def check_window_side(side, name):
     if side is None:
         return None
     if isinstance(side, (bool, np.bool_)) or not isinstance(side, (numbers.Integral, np.integer)):
         raise ValueError(f"{NAME}: window {name} must be an int or None, got {side!r}")
-    side = int(side)
-    return None if side >= reach else max(side, -reach)
+    return int(side)
 
 
 # ----------------------------------------------------------------------------------------------------------------

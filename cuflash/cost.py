@@ -32,32 +32,32 @@ Where the seed's accounting is loose (kept as is in the seed functions, so its t
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
+
+from .problem import Window
 
 KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 
-Window = Optional[Tuple[Optional[int], Optional[int]]]
+WindowSides = Union[None, Tuple[Optional[int], Optional[int]], Window]
 
 # ---------------------------------------------------------------------------------------------------------
 # Visibility and FLOPs
 # ---------------------------------------------------------------------------------------------------------
 
 
-def key_bounds(n: int, m: int, causal: bool = False, window: Window = None) -> Tuple[int, int]:
-    """(left, right) reach of a query, as finite ints: key j is visible to query i when
-    i + (m - n) - left <= j <= i + (m - n) + right. Unbounded sides become n + m, which reaches every key."""
-    left, right = window if window is not None else (None, None)
-    if causal:
-        right = 0 if right is None else min(right, 0)
-    unbounded = n + m
-    return (unbounded if left is None else left, unbounded if right is None else right)
+def key_bounds(n: int, m: int, causal: bool = False, window: WindowSides = None) -> Tuple[int, int]:
+    """(left, right) reach of a query, as finite ints (problem.Window's rule): key j is visible to query i when
+    i + (m - n) - left <= j <= i + (m - n) + right."""
+    if isinstance(window, Window):
+        window = (window.left, window.right)
+    return Window.of(window, causal).reach(n, m)
 
 
-def visible_keys_per_row(n: int, m: int, causal: bool = False, window: Window = None) -> np.ndarray:
+def visible_keys_per_row(n: int, m: int, causal: bool = False, window: WindowSides = None) -> np.ndarray:
     """Number of keys each of the n query rows sees (int64 array of length n)."""
     left, right = key_bounds(n, m, causal, window)
     diag = np.arange(n, dtype=np.int64) + (m - n)
@@ -66,13 +66,13 @@ def visible_keys_per_row(n: int, m: int, causal: bool = False, window: Window = 
     return np.maximum(last - first + 1, 0)
 
 
-def visible_pairs(n: int, m: int, causal: bool = False, window: Window = None) -> int:
+def visible_pairs(n: int, m: int, causal: bool = False, window: WindowSides = None) -> int:
     """Exact number of visible (query, key) pairs of one problem."""
     return int(visible_keys_per_row(n, m, causal, window).sum())
 
 
 def flops(batch: int, n: int, m: int, d: int, e: Optional[int] = None, causal: bool = False,
-          window: Window = None) -> int:
+          window: WindowSides = None) -> int:
     """Forward matmul FLOPs: 2*d per visible pair for q.k and 2*e for p.v (4*B*H*n*m*d when dense and d == e).
 
     batch is the number of independent problems (the product of the batch shape, e.g. B*H). Softmax
@@ -220,7 +220,7 @@ class _TileWalk:
     query_rows_per_tile: int  # sum over query tiles of (query rows) x (key tiles visited)
 
 
-def _tile_walk(n: int, m: int, Br: int, Bc: int, causal: bool, window: Window) -> _TileWalk:
+def _tile_walk(n: int, m: int, Br: int, Bc: int, causal: bool, window: WindowSides) -> _TileWalk:
     """Each query tile visits the key tiles from the first to the last one holding a visible key.
 
     The rows of a query tile see keys [i0 + off - left, i1 - 1 + off + right] between them (each row's
@@ -244,7 +244,7 @@ def _tile_walk(n: int, m: int, Br: int, Bc: int, causal: bool, window: Window) -
 
 
 def kernel_traffic(batch: int, n: int, m: int, d: int, e: Optional[int] = None, *, itemsize: int = 2,
-                   Br: int = 128, Bc: int = 64, causal: bool = False, window: Window = None,
+                   Br: int = 128, Bc: int = 64, causal: bool = False, window: WindowSides = None,
                    lse: bool = True, mask_itemsize: int = 0, bias_itemsize: int = 0,
                    d_slice: Optional[int] = None, e_block: Optional[int] = None, splits: int = 1,
                    acc_itemsize: int = 4) -> Traffic:
@@ -280,7 +280,7 @@ def kernel_traffic(batch: int, n: int, m: int, d: int, e: Optional[int] = None, 
 
 
 def compulsory_traffic(batch: int, n: int, m: int, d: int, e: Optional[int] = None, *, itemsize: int = 2,
-                       Br: int = 128, Bc: int = 64, causal: bool = False, window: Window = None,
+                       Br: int = 128, Bc: int = 64, causal: bool = False, window: WindowSides = None,
                        lse: bool = True, mask_itemsize: int = 0, bias_itemsize: int = 0,
                        kv_copies: Optional[int] = None, mask_copies: Optional[int] = None,
                        bias_copies: Optional[int] = None) -> Traffic:
@@ -307,14 +307,14 @@ def compulsory_traffic(batch: int, n: int, m: int, d: int, e: Optional[int] = No
     )
 
 
-def kv_passes(n: int, m: int, Br: int, Bc: int, causal: bool = False, window: Window = None) -> float:
+def kv_passes(n: int, m: int, Br: int, Bc: int, causal: bool = False, window: WindowSides = None) -> float:
     """How many times K is loaded in full, on average (ceil(n / Br) when nothing is masked)."""
     return _tile_walk(n, m, Br, Bc, causal, window).key_rows / m if m else 0.0
 
 
 def kernel_arithmetic_intensity(batch: int, n: int, m: int, d: int, e: Optional[int] = None, *,
                                 itemsize: int = 2, Br: int = 128, Bc: int = 64, causal: bool = False,
-                                window: Window = None) -> float:
+                                window: WindowSides = None) -> float:
     """FLOPs per byte our kernel loads and stores (all of it, not one inner step)."""
     moved = kernel_traffic(batch, n, m, d, e, itemsize=itemsize, Br=Br, Bc=Bc, causal=causal,
                            window=window).total

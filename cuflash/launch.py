@@ -139,12 +139,6 @@ def coalesce(shape, strides_per_operand):
 # Launches
 
 
-def window_reach(problem) -> Tuple[int, int]:
-    """(left, right) as int64: an unbounded side reaches every key; huge values are clamped the same way."""
-    reach = problem.n + problem.m + 1
-    return tuple(reach if side is None else max(-reach, min(reach, int(side))) for side in problem.window)
-
-
 def launches(problem, out, lse, config: BlockConfig, split: KeySplit = NO_SPLIT) -> List[Launch]:
     """The kernel launches that compute problem into out (and lse when not None) with config: one per column block
     of e (column_blocks; the first also writes lse), times one per index of the leading batch dims when the batch
@@ -211,7 +205,7 @@ def _launch(problem, operands, shape, batch_strides, e, config, split, xp, acc) 
     mask = mask if mask is not None else placeholder(xp, np.bool_)
     bias = bias if bias is not None else placeholder(xp, acc)
     lse = lse if lse is not None else placeholder(xp, acc)
-    left, right = window_reach(problem)
+    left, right = problem.window.reach(problem.n, problem.m)  # int64 whatever the sides
     scale_log2 = acc.type(problem.scale * math.log2(math.e))
     args = (q, k, v, mask, bias, out, lse, resident(xp, table),
             np.int64(problem.n), np.int64(problem.m), np.int64(problem.d), np.int64(e),

@@ -17,6 +17,56 @@ SIGNATURE = "(n,d),(m,d),(m,e)->(n,e)"
 
 
 @dataclass(frozen=True)
+class Window:
+    """The one visibility rule on the Python side (kernels: visible_score in forward.cuh). Key j is visible to
+    query i when i + (m - n) - left <= j <= i + (m - n) + right: the diagonal is aligned bottom-right, and a side
+    of None is unbounded. causal=True is right = min(right, 0)."""
+
+    left: Optional[int] = None
+    right: Optional[int] = None
+
+    @classmethod
+    def of(cls, window=None, causal: bool = False) -> "Window":
+        """From window=(left, right) (or None) and causal=, sides taken as given (the front door checks them)."""
+        left, right = window if window is not None else (None, None)
+        if causal:
+            right = 0 if right is None else min(right, 0)
+        return cls(left, right)
+
+    @property
+    def bounded(self) -> bool:
+        return (self.left, self.right) != (None, None)
+
+    def reach(self, n: int, m: int) -> Tuple[int, int]:
+        """(left, right) as ints within +-(n + m + 1), so no backend's arithmetic overflows: a side of n + m or
+        more (or None) reaches past every key, one of -(n + m) or less hides every key."""
+        far = n + m + 1
+
+        def clamp(side: Optional[int]) -> int:
+            return far if side is None else max(-far, min(far, int(side)))
+        return clamp(self.left), clamp(self.right)
+
+    def key_range(self, i0: int, i1: int, n: int, m: int) -> Tuple[int, int]:
+        """Keys [j0, j1) that any query row in [i0, i1) can see; empty when j0 >= j1."""
+        left, right = self.reach(n, m)
+        j0 = max(0, i0 + (m - n) - left)
+        j1 = min(m, i1 - 1 + (m - n) + right + 1)
+        return j0, max(j0, j1)
+
+    def tile_fully_visible(self, i0: int, i1: int, j0: int, j1: int, n: int, m: int) -> bool:
+        """True when the window hides no key of the tile rows [i0, i1) x keys [j0, j1)."""
+        left, right = self.reach(n, m)
+        return j0 >= (i1 - 1) + (m - n) - left and (j1 - 1) <= i0 + (m - n) + right
+
+    def tile(self, xp, i0: int, i1: int, j0: int, j1: int, n: int, m: int):
+        """Boolean (i1-i0, j1-j0) visibility of the window on one tile, in array module xp."""
+        left, right = self.reach(n, m)
+        i = xp.arange(i0, i1)[:, None] + (m - n)
+        j = xp.arange(j0, j1)[None, :]
+        return (j >= i - left) & (j <= i + right)
+
+
+@dataclass(frozen=True)
 class Problem:
     """softmax(scale * q @ k.T + bias, visible) @ v for every batch index.
 
@@ -24,8 +74,7 @@ class Problem:
     mask: bool (*batch, n, m) or None (True = attend). bias: (*batch, n, m) or None, any real dtype; a bias of
         -inf hides its key as the mask does (by selection). bias_hides: the bias may hold -inf, so backends must
         select per element on every tile it covers (False lets them keep the fast path).
-    window: (left, right), None meaning unbounded: key j is visible to query i when
-        i + (m - n) - left <= j <= i + (m - n) + right.
+    window: the Window (causal included).
     """
 
     q: Any
@@ -41,14 +90,9 @@ class Problem:
     dtype: np.dtype  # element type of q, k, v and of the result
     acc_dtype: np.dtype  # float32 for 16- and 32-bit inputs, float64 for float64
     scale: float
-    window: Tuple[Optional[int], Optional[int]]
+    window: Window
     xp: Any  # numpy or cupy
     bias_hides: bool = False
-
-    @property
-    def offset(self) -> int:
-        """Diagonal offset m - n: bottom-right alignment of causal and window."""
-        return self.m - self.n
 
     @property
     def batch_size(self) -> int:
@@ -58,36 +102,14 @@ class Problem:
     def empty(self) -> bool:
         return self.n == 0 or self.batch_size == 0
 
-    @property
-    def windowed(self) -> bool:
-        return self.window != (None, None)
-
     def key_range(self, i0: int, i1: int) -> Tuple[int, int]:
-        """Keys [j0, j1) that any query row in [i0, i1) can see; empty when j0 >= j1."""
-        left, right = self.window
-        j0 = 0 if left is None else max(0, i0 + self.offset - left)
-        j1 = self.m if right is None else min(self.m, i1 - 1 + self.offset + right + 1)
-        return j0, max(j0, j1)
+        return self.window.key_range(i0, i1, self.n, self.m)
 
     def tile_fully_visible(self, i0: int, i1: int, j0: int, j1: int) -> bool:
-        """True when the window hides no key of the tile rows [i0, i1) x keys [j0, j1)."""
-        left, right = self.window
-        ok_left = left is None or j0 >= (i1 - 1) + self.offset - left
-        ok_right = right is None or (j1 - 1) <= i0 + self.offset + right
-        return ok_left and ok_right
+        return self.window.tile_fully_visible(i0, i1, j0, j1, self.n, self.m)
 
     def window_tile(self, i0: int, i1: int, j0: int, j1: int):
-        """Boolean (i1-i0, j1-j0) visibility of the window on one tile, in the problem's array module."""
-        xp = self.xp
-        i = xp.arange(i0, i1)[:, None] + self.offset
-        j = xp.arange(j0, j1)[None, :]
-        left, right = self.window
-        vis = xp.ones((i1 - i0, j1 - j0), dtype=bool)
-        if left is not None:
-            vis &= j >= i - left
-        if right is not None:
-            vis &= j <= i + right
-        return vis
+        return self.window.tile(self.xp, i0, i1, j0, j1, self.n, self.m)
 
 
 def default_scale(d: int) -> float:

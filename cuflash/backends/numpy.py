@@ -28,7 +28,7 @@ def run(problem, out, lse, block=None):
     rows_per_step, bc = tile_sizes(problem, block)
     # A causal or windowed problem's row tiles are no taller than a key tile: the key tiles its window hides
     # are skipped, and few tiles straddle its edge.
-    item_rows = min(rows_per_step, bc) if problem.windowed else rows_per_step
+    item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
     for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
         o, row_lse = attend_rows(problem, index, i0, i1, bc)
         out[index + (slice(i0, i1),)] = o.astype(problem.dtype, copy=False)
