@@ -124,6 +124,14 @@ __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, l
     return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
 }
 
+// Whether a tile pays for per-element visibility (visible_score's partial): it straddles the window, carries a
+// mask or a bias that may hide, or ends early (cols < Bc). Full tiles of neither kind skip all of it.
+__device__ __forceinline__ bool tile_is_partial(const BlockOperands& ops, long long j0, int cols, int Bc,
+                                                long long left, long long right) {
+    return ops.has_mask || ops.bias_hides || cols < Bc ||
+           !tile_fully_visible(ops.i0, ops.i0 + ops.rows, j0, j0 + cols, ops.offset, left, right);
+}
+
 // The output's type: T, or the accumulator's for the partial results of split keys.
 template <typename T, bool Split> struct OutOf { using type = T; };
 template <typename T> struct OutOf<T, true> { using type = typename AccOf<T>::type; };
@@ -212,9 +220,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             }
         }
 
-        // Only tiles that straddle the window, carry a mask or end early pay for per-element visibility.
-        const bool partial = ops.has_mask || ops.bias_hides || cols < Bc ||
-                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
+        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
 
         // Scale, bias and visibility; a hidden key's score becomes -inf by selection and its bit is remembered.
         unsigned hidden[RPT];

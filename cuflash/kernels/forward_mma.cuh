@@ -176,10 +176,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         }
 
         // Scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and their bits
-        // are kept for the rare CUDA-core P V. Only tiles that straddle the window, carry a mask or end early
-        // pay for per-element visibility.
-        const bool partial = ops.has_mask || ops.bias_hides || cols < Bc ||
-                             !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
+        // are kept for the rare CUDA-core P V. Only partial tiles pay for per-element visibility.
+        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
         unsigned hidden[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
