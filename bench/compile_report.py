@@ -14,45 +14,45 @@ import os
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cuflash import launch, nvrtc, tiling  # noqa: E402
+from cuflash import cudacore, kernels, nvrtc, tiling  # noqa: E402
 from cuflash.dtypes import FLOATS  # noqa: E402
+from cuflash.family import Shape  # noqa: E402
 
 ARCH_DEVICES = {"sm_75": "T4", "sm_80": "A100", "sm_86": "A10", "sm_89": "L4", "sm_90": "H100"}
 HEAD_DIMS = (16, 64, 128, 256, 512)
 
 
 def chosen(arch: str, head_dims=HEAD_DIMS):
-    """{name expression: (workload, config, model shared memory)} the FMA heuristic picks on arch's device, and
-    what it picks for decoding (one query per head over 32k keys: split keys, partial results in the
-    accumulator type)."""
+    """{name expression: model shared memory} of what the CUDA-core heuristic picks on arch's device, and what it
+    picks for decoding (one query per head over 32k keys: split keys, partial results in the accumulator type)."""
     device = tiling.DeviceLimits.known(ARCH_DEVICES[arch])
     result = {}
     for dtype in FLOATS:
         for d in head_dims:
-            w = tiling.Workload(dtype, d, d)
             try:
-                config = tiling.resolve("fma", w, device)
+                plan = tiling.plan(Shape(dtype, d, d), device, "fma")
             except ValueError:
                 continue  # nothing fits this device
-            result[launch.kernel_name(w, config)] = (w, config, tiling.shared_memory_bytes(w, config))
-            decoding = SimpleNamespace(dtype=dtype, d=d, e=d, n=1, m=1 << 15, batch_size=1)
-            config = tiling.choose(decoding, device)
-            if tiling.key_splits(decoding, config, device) > 1:
-                result[launch.kernel_name(w, config, split=True)] = (w, config, tiling.shared_memory_bytes(w, config))
+            result[plan.name] = plan.shared_mem
+            decoding = tiling.plan(Shape(dtype, d, d, n=1, m=1 << 15), device)
+            if decoding.splits > 1:
+                result[decoding.name] = decoding.shared_mem
     return result
 
 
+ENTRY = cudacore.FORWARD.source
+
+
 def _report(arch, names):
-    key = hashlib.sha256((launch.source() + arch + "\n".join(sorted(names))).encode()).hexdigest()[:24]
+    key = hashlib.sha256((kernels.source(ENTRY) + arch + "\n".join(sorted(names))).encode()).hexdigest()[:24]
     cache = os.path.join(tempfile.gettempdir(), f"cuflash-compile-{key}.json")
     if os.path.exists(cache):
         with open(cache) as f:
             return json.load(f)
-    usage = {name: vars(u) for name, u in nvrtc.compile_report(sorted(names), arch).items()}
+    usage = {name: vars(u) for name, u in nvrtc.compile_report(sorted(names), arch, ENTRY).items()}
     with open(cache + ".tmp", "w") as f:
         json.dump(usage, f)
     os.replace(cache + ".tmp", cache)
@@ -66,7 +66,7 @@ def report(archs=tuple(ARCH_DEVICES), head_dims=HEAD_DIMS, workers=2):
         usages = dict(zip(archs, pool.map(_report, archs, [list(plans[a]) for a in archs])))
     rows = []
     for arch in archs:
-        for name, (w, config, smem) in plans[arch].items():
+        for name, smem in plans[arch].items():
             u = usages[arch][name]
             rows.append((arch, name, u["registers"], u["spill_stores"], u["spill_loads"], u["static_smem"], smem))
     return rows

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from cuflash import cost, tiling  # noqa: E402
+from cuflash.family import Shape  # noqa: E402
 
 HEADS, D, DTYPE_BYTES = cost.SEED_HEADS, cost.SEED_D, cost.SEED_DTYPE_BYTES
 MEMORY_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -172,12 +173,12 @@ def smem_limit_table(blocks=cost.SEED_BLOCKS) -> str:
     return "\n".join(lines)
 
 
-SEED_WORKLOAD = tiling.Workload(np.dtype(np.float16), D, D)
+SEED_SHAPE = Shape(np.float16, D, D)
 
 
 def planner_tiling(gpu: str):
     """The planner's configuration for the seed's setting (float16, d = 128) on a known GPU."""
-    return tiling.choose(SEED_WORKLOAD, tiling.DeviceLimits.known(gpu))
+    return tiling.choose(SEED_SHAPE, tiling.DeviceLimits.known(gpu))
 
 
 def planner_table(n: int = 4096) -> str:
@@ -189,8 +190,8 @@ def planner_table(n: int = 4096) -> str:
         "-" * 90,
     ]
     for device in tiling.KNOWN:
-        config = tiling.choose(SEED_WORKLOAD, device)
-        smem = tiling.shared_memory_bytes(SEED_WORKLOAD, config)
+        config = tiling.choose(SEED_SHAPE, device)
+        smem = tiling.shared_memory_bytes(SEED_SHAPE, config)
         walk = dict(Br=config.Br, Bc=config.Bc)
         loads = cost.kernel_traffic(HEADS, n, n, D, **walk).total / cost.GiB
         causal = cost.kernel_traffic(HEADS, n, n, D, causal=True, **walk).total / cost.GiB

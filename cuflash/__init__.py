@@ -5,9 +5,10 @@ matrix never exists in memory.
 """
 
 from .api import attention
-from .backends import BackendUnavailableError
+from .errors import BackendUnavailableError
 from .dtypes import bfloat16
-from .tiling import BlockConfig, DeviceLimits
+from .devices import DeviceLimits
+from .family import BlockConfig
 
 __all__ = ["attention", "BackendUnavailableError", "bfloat16", "BlockConfig", "DeviceLimits"]
 __version__ = "0.1.0"

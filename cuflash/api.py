@@ -20,7 +20,7 @@ from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_floa
 from .problem import SIGNATURE, Problem, Window, default_scale
 
 if TYPE_CHECKING:
-    from .tiling import BlockConfig
+    from .family import BlockConfig
 
 NAME = "attention"
 

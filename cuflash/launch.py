@@ -1,8 +1,8 @@
-"""Launching the forward kernel: name expressions, grid, block, shared memory and arguments.
+"""Executing a Plan: the launches (grid, block, shared memory, arguments) and the per-launch geometry table.
 
 Shared by the cupy and simt backends, which differ only in how a module is compiled (cupy.RawModule or the
 emulator's RawModule) and in the arrays the Problem holds (CuPy or NumPy: problem.xp). Both modules take the same
-call: kernel(grid, block, args, shared_mem=nbytes).
+call: kernel(grid, block, args, shared_mem=nbytes). Nothing here plans: what to launch is the plan's.
 """
 
 from __future__ import annotations
@@ -13,62 +13,40 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from . import kernels
-from .tiling import BlockConfig, fma_buckets
+from .tiling import Plan
 
-C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
-MAX_BATCH_DIMS = 6  # kMaxBatchDims in tile.cuh
+# The per-launch geometry table, declared once: the C struct Geometry of kernels/tile.cuh, field for field
+# (tests/test_compile.py checks sizes, offsets and constants through the compiler: layout_asserts).
+MAX_BATCH_DIMS = 6  # kMaxBatchDims
 OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")  # the Operand enum's order
+OPERAND_STRIDES = np.dtype([("row", np.int64), ("col", np.int64), ("batch", np.int64, (MAX_BATCH_DIMS,))])
+GEOMETRY = np.dtype([
+    ("batch_count", np.int64), ("rank", np.int64), ("shape", np.int64, (MAX_BATCH_DIMS,)),
+    ("op", OPERAND_STRIDES, (len(OPERANDS),)),
+    ("split_keys", np.int64), ("split_out", np.int64), ("split_lse", np.int64)])
 MAX_GRID_Y = 65535
 RESIDENT_LIMIT = 256  # device copies of geometry tables and placeholders kept per process
 
-# ForwardFlags in forward.cuh
+# ForwardFlags in kernels/forward_common.cuh
 VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE, BIAS_HIDES = 1, 2, 4, 8, 16, 32, 64
+FLAGS = {"kVectorQ": VECTOR_Q, "kVectorK": VECTOR_K, "kVectorV": VECTOR_V, "kHasMask": HAS_MASK,
+         "kHasBias": HAS_BIAS, "kWantLse": WANT_LSE, "kBiasHides": BIAS_HIDES}
 
 
-def source() -> str:
-    """The one source string every forward instantiation is compiled from (forward_mma.cuh includes
-    forward.cuh: both kernels)."""
-    return kernels.source("forward_mma.cuh")
+def layout_asserts() -> List[str]:
+    """C++ static_asserts that the kernels' Geometry, OperandStrides, Operand and ForwardFlags are what this
+    module writes: compiled after kernels/forward_common.cuh, they fail on any drift."""
+    def check(expr: str, value: int) -> str:
+        return f'static_assert({expr} == {value}, "launch.py declares {expr} == {value}");'
 
-
-def kernel_name(workload, config: BlockConfig, split: bool = False) -> str:
-    """The name expression of the instantiation serving workload (dtype, d, e) with config; split: the one writing
-    partial results in the accumulator type (split keys)."""
-    ctype = C_TYPES[np.dtype(workload.dtype).name]
-    if config.variant == "mma":
-        from . import tensorcore
-        return (f"cuflash::fwd_mma<{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(workload.d)}, "
-                f"{tensorcore.bucket(workload.e)}, {config.warps}, {config.stages}{', true' if split else ''}>")
-    D, E = fma_buckets(workload, config)
-    sliced = workload.d > D  # d swept in D-wide slices
-    args = [ctype, config.Br, config.Bc, D, E, config.warps]
-    if sliced or split:  # Sliced and Split default to false: spelled out only as far as needed
-        args.append("true" if sliced else "false")
-    if split:
-        args.append("true")
-    return f"cuflash::fwd<{', '.join(map(str, args))}>"
-
-
-def column_blocks(workload, config: BlockConfig) -> List[Tuple[int, int]]:
-    """The [e0, e1) column blocks of the output, one launch each: all of e, unless e is wider than the E the
-    CUDA-core instantiation holds in registers (each block then recomputes the scores; cost scales with e / E)."""
-    E = fma_buckets(workload, config)[1] if config.variant == "fma" else workload.e
-    return [(e0, min(workload.e, e0 + E)) for e0 in range(0, workload.e, E)] or [(0, 0)]
-
-
-@dataclass(frozen=True)
-class KeySplit:
-    """The key axis cut into `count` splits of `keys` keys (the last may be shorter), each swept by its own blocks
-    into partial results `out_stride` and `lse_stride` elements apart (flash-decoding). count 1: no split."""
-
-    keys: int = 0
-    count: int = 1
-    out_stride: int = 0
-    lse_stride: int = 0
-
-
-NO_SPLIT = KeySplit()
+    lines = [check("cuflash::kMaxBatchDims", MAX_BATCH_DIMS), check("(int)cuflash::kOperands", len(OPERANDS))]
+    lines += [check(f"(int)cuflash::k{name.capitalize()}", index) for index, name in enumerate(OPERANDS)]
+    lines += [check(f"(int)cuflash::{name}", value) for name, value in FLAGS.items()]
+    for struct, dtype in (("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY)):
+        lines.append(check(f"sizeof(cuflash::{struct})", dtype.itemsize))
+        lines += [check(f"__builtin_offsetof(cuflash::{struct}, {name})", dtype.fields[name][1])
+                  for name in dtype.names]
+    return lines
 
 
 @dataclass
@@ -139,30 +117,32 @@ def coalesce(shape, strides_per_operand):
 # Launches
 
 
-def launches(problem, out, lse, config: BlockConfig, split: KeySplit = NO_SPLIT) -> List[Launch]:
-    """The kernel launches that compute problem into out (and lse when not None) with config: one per column block
-    of e (column_blocks; the first also writes lse), times one per index of the leading batch dims when the batch
-    has more dims than the kernel takes after coalescing. With split keys, out and lse are split 0's partial
-    results (in the accumulator type) and the blocks of every split run in the same launches."""
+def launches(problem, out, lse, plan: Plan, split_strides: Tuple[int, int] = (0, 0)) -> List[Launch]:
+    """The kernel launches that compute problem into out (and lse when not None) as planned: one per column block
+    of e (the first also writes lse), times one per index of the leading batch dims when the batch has more dims
+    than the kernel takes after coalescing. With split keys, out and lse are split 0's partial results (in the
+    accumulator type), split_strides the elements from one split's out and lse to the next's, and the blocks of
+    every split run in the same launches."""
+    if plan.shape != problem.shape:
+        raise ValueError(f"attention: a plan for {plan.shape} cannot run a problem of {problem.shape}")
     bias = None if problem.bias is None else bias_operand(problem)
     result = []
-    for index, (e0, e1) in enumerate(column_blocks(problem, config)):
+    for index, (e0, e1) in enumerate(plan.column_blocks):
         operands = [problem.q, problem.k, problem.v[..., e0:e1], problem.mask, bias, out[..., e0:e1],
                     lse if index == 0 else None]
-        result += _batch_launches(problem, operands, e1 - e0, config, split)
+        result += _batch_launches(problem, operands, e1 - e0, plan, split_strides)
     return result
 
 
-def _batch_launches(problem, operands, e, config: BlockConfig, split: KeySplit) -> List[Launch]:
+def _batch_launches(problem, operands, e, plan: Plan, split_strides) -> List[Launch]:
     xp = problem.xp
-    acc = problem.acc_dtype
     # Operands whose byte strides are not whole elements (exotic views) are copied once.
     operands = [x if x is None or element_strides(x) is not None else xp.ascontiguousarray(x) for x in operands]
     nb = len(problem.batch)
     strides = [element_strides(x)[:nb] if x is not None else (0,) * nb for x in operands]
     shape, batch_strides = coalesce(problem.batch, strides)
     if len(shape) <= MAX_BATCH_DIMS:
-        return [_launch(problem, operands, shape, batch_strides, e, config, split, xp, acc)]
+        return [_launch(problem, operands, shape, batch_strides, e, plan, split_strides)]
     # Too many batch dims: launch per index of the leading ones, on views.
     lead = len(problem.batch) - MAX_BATCH_DIMS
     result = []
@@ -170,28 +150,31 @@ def _batch_launches(problem, operands, e, config: BlockConfig, split: KeySplit) 
         views = [None if x is None else x[index] for x in operands]
         sub = [element_strides(x)[:MAX_BATCH_DIMS] if x is not None else (0,) * MAX_BATCH_DIMS for x in views]
         sub_shape, sub_strides = coalesce(problem.batch[lead:], sub)
-        result.append(_launch(problem, views, sub_shape, sub_strides, e, config, split, xp, acc))
+        result.append(_launch(problem, views, sub_shape, sub_strides, e, plan, split_strides))
     return result
 
 
-def _launch(problem, operands, shape, batch_strides, e, config, split, xp, acc) -> Launch:
-    from .tiling import shared_memory_bytes
-
-    q, k, v, mask, bias, out, lse = operands
-    batch_count = math.prod(shape)
-    table = np.zeros(2 + MAX_BATCH_DIMS + len(OPERANDS) * (2 + MAX_BATCH_DIMS) + 3, dtype=np.int64)
-    table[0], table[1] = batch_count, len(shape)
-    table[-3:] = split.keys, split.out_stride, split.lse_stride  # Geometry's split_keys, split_out, split_lse
-    table[2:2 + MAX_BATCH_DIMS] = 1
-    table[2:2 + len(shape)] = shape
-    flags = 0
+def geometry_table(shape, batch_strides, operands, plan: Plan, split_strides) -> np.ndarray:
+    """The Geometry of one launch as int64 words: the coalesced batch shape, every operand's row, column and batch
+    strides (in elements; zero for an absent one), and the key split."""
+    table = np.zeros((), GEOMETRY)
+    table["batch_count"], table["rank"] = math.prod(shape), len(shape)
+    table["shape"][:] = 1
+    table["shape"][:len(shape)] = shape
     for index, x in enumerate(operands):
-        base = 2 + MAX_BATCH_DIMS + index * (2 + MAX_BATCH_DIMS)
         if x is not None:
             s = element_strides(x)
-            row, col = (s[-1], 0) if OPERANDS[index] == "lse" else s[-2:]
-            table[base:base + 2] = row, col
-            table[base + 2:base + 2 + len(shape)] = batch_strides[index]
+            op = table["op"][index]
+            op["row"], op["col"] = (s[-1], 0) if OPERANDS[index] == "lse" else s[-2:]
+            op["batch"][:len(shape)] = batch_strides[index]
+    table["split_keys"] = plan.split_keys
+    table["split_out"], table["split_lse"] = split_strides
+    return table.reshape(1).view(np.int64)
+
+
+def launch_flags(problem, operands) -> int:
+    q, k, v, mask, bias, out, lse = operands
+    flags = 0
     for bit, x in ((VECTOR_Q, q), (VECTOR_K, k), (VECTOR_V, v)):
         if vector_ok(x, element_strides(x)):
             flags |= bit
@@ -201,6 +184,14 @@ def _launch(problem, operands, shape, batch_strides, e, config, split, xp, acc) 
         flags |= HAS_BIAS | (BIAS_HIDES if problem.bias_hides else 0)
     if lse is not None:
         flags |= WANT_LSE
+    return flags
+
+
+def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_strides) -> Launch:
+    xp, acc = problem.xp, problem.acc_dtype
+    q, k, v, mask, bias, out, lse = operands
+    table = geometry_table(shape, batch_strides, operands, plan, split_strides)
+    flags = launch_flags(problem, operands)
     # Absent optional operands are passed as one-element arrays: never read, typed like the real thing.
     mask = mask if mask is not None else placeholder(xp, np.bool_)
     bias = bias if bias is not None else placeholder(xp, acc)
@@ -210,11 +201,10 @@ def _launch(problem, operands, shape, batch_strides, e, config, split, xp, acc) 
     args = (q, k, v, mask, bias, out, lse, resident(xp, table),
             np.int64(problem.n), np.int64(problem.m), np.int64(problem.d), np.int64(e),
             scale_log2, np.int64(left), np.int64(right), np.int32(flags))
-    tiles = -(-problem.n // config.Br)
+    batch_count = math.prod(shape)
     grid_y = max(1, min(batch_count, MAX_GRID_Y))
-    grid = (tiles * split.count, grid_y, -(-batch_count // grid_y))
-    return Launch(kernel_name(problem, config, split.count > 1), grid, (config.threads, 1, 1),
-                  shared_memory_bytes(problem, config), args)
+    grid = (plan.grid_x, grid_y, -(-batch_count // grid_y))
+    return Launch(plan.name, grid, plan.block, plan.shared_mem, args)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -270,13 +260,6 @@ def placeholder(xp, dtype):
 # Split keys (flash-decoding)
 
 
-def split_keys(m: int, splits: int, Bc: int) -> Tuple[int, int]:
-    """(keys per split, number of splits): about `splits` splits of m keys, each a whole number of key tiles."""
-    per_split = -(-m // splits)
-    keys = -(-per_split // Bc) * Bc
-    return keys, -(-m // keys)
-
-
 def combine(parts_out, parts_lse, out, lse, xp) -> None:
     """Merge the splits' partial results (each normalized by its own sum, with its own lse) into out and lse:
     weights exp(lse_s - lse), lse = log sum exp(lse_s). A row no split saw gives 0 and -inf; NaN propagates."""
@@ -291,32 +274,30 @@ def combine(parts_out, parts_lse, out, lse, xp) -> None:
             lse[...] = xp.log(total) + shift
 
 
-def run(problem, out, lse, config: BlockConfig, get_kernel: Callable[[str, int], Any], splits: int = 1) -> None:
-    """Launch every kernel of the problem; get_kernel(name, shared_mem) returns the compiled kernel, ready for
-    that much dynamic shared memory. With splits > 1 the key axis is split, the partial results land in scratch
-    in the accumulator type and are combined into out and lse. A launch error names the kernel and the
-    configuration."""
-    keys, count = split_keys(problem.m, splits, config.Bc) if problem.m else (0, 1)
-    if count > 1:
+def run(problem, out, lse, plan: Plan, get_kernel: Callable[[Plan], Any]) -> None:
+    """Launch every kernel of the plan; get_kernel(plan) returns the compiled kernel, ready for the plan's dynamic
+    shared memory. With split keys the partial results land in scratch in the accumulator type and are combined
+    into out and lse. A launch error names the kernel and the configuration."""
+    if plan.splits > 1:
         xp, acc = problem.xp, problem.acc_dtype
-        parts_out = xp.empty((count,) + tuple(out.shape), dtype=acc)
-        parts_lse = xp.empty((count,) + tuple(out.shape[:-1]), dtype=acc)
-        split = KeySplit(keys, count, element_strides(parts_out)[0], element_strides(parts_lse)[0])
-        _run(launches(problem, parts_out[0], parts_lse[0], config, split), config, get_kernel)
+        parts_out = xp.empty((plan.splits,) + tuple(out.shape), dtype=acc)
+        parts_lse = xp.empty((plan.splits,) + tuple(out.shape[:-1]), dtype=acc)
+        strides = element_strides(parts_out)[0], element_strides(parts_lse)[0]
+        _run(launches(problem, parts_out[0], parts_lse[0], plan, strides), plan, get_kernel)
         combine(parts_out, parts_lse, out, lse, xp)
         return
-    _run(launches(problem, out, lse, config), config, get_kernel)
+    _run(launches(problem, out, lse, plan), plan, get_kernel)
 
 
-def _run(todo: List[Launch], config: BlockConfig, get_kernel) -> None:
+def _run(todo: List[Launch], plan: Plan, get_kernel) -> None:
     for launch in todo:
         if launch.grid[2] > MAX_GRID_Y:
             raise ValueError(f"attention: a batch of {launch.grid[1] * launch.grid[2]} items is more than one launch "
                              f"can cover")
-        kernel = get_kernel(launch.name, launch.shared_mem)
+        kernel = get_kernel(plan)
         try:
             kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
         except Exception as exc:
             raise RuntimeError(
-                f"attention: launching {launch.name} (block {config}, grid {launch.grid}, "
+                f"attention: launching {launch.name} (block {plan.config}, grid {launch.grid}, "
                 f"{launch.shared_mem} bytes of shared memory) failed: {exc}") from exc

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from . import launch
+from . import kernels
 
 STD = "--std=c++17"
 
@@ -126,17 +126,22 @@ def parse_ptxas(log: str) -> Dict[str, Usage]:
     return usage
 
 
-def compile_report(names: Iterable[str], arch: str, src: Optional[str] = None) -> Dict[str, Usage]:
-    """ptxas's usage of each forward instantiation (by name expression) compiled for arch."""
+def compile_report(names: Iterable[str], arch: str, entry: str) -> Dict[str, Usage]:
+    """ptxas's usage of each instantiation (by name expression) of kernels/`entry` compiled for arch."""
     names = list(names)
-    _, log, lowered = compile_program(src or launch.source(), names, arch)
+    _, log, lowered = compile_program(kernels.source(entry), names, arch)
     usage = parse_ptxas(log)
     return {name: usage[lowered[name]] for name in names}
 
 
-def check_shared_layout(expected: Dict[str, int], arch: str = "sm_80") -> None:
-    """Compile static_asserts that ForwardShared<...>::bytes equals the Python model for each layout
-    ("__half, 64, 64, 64, 64" -> bytes); CompileError names the ones that differ."""
-    lines = [f'static_assert(cuflash::ForwardShared<{args}>::bytes == {nbytes}, "model: {args} -> {nbytes}");'
-             for args, nbytes in expected.items()]
-    compile_program(launch.source() + "\n".join(lines) + "\n", [], arch)
+def check_asserts(entry: str, asserts: Iterable[str], arch: str = "sm_80") -> None:
+    """Compile C++ static_asserts after kernels/`entry`; CompileError names the ones that fail."""
+    compile_program(kernels.source(entry) + "\n".join(asserts) + "\n", [], arch)
+
+
+def check_shared_layout(family, expected: Dict[str, int], arch: str = "sm_80") -> None:
+    """That the family's shared-memory struct has the bytes of the Python model for each layout (its template
+    arguments, "__half, 64, 64, 64, 64" -> bytes)."""
+    struct = f"cuflash::{family.shared_struct}"
+    check_asserts(family.source, [f'static_assert({struct}<{args}>::bytes == {nbytes}, "model: {args} -> {nbytes}");'
+                                  for args, nbytes in expected.items()], arch)

@@ -13,12 +13,14 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from .family import Shape
+
 SIGNATURE = "(n,d),(m,d),(m,e)->(n,e)"
 
 
 @dataclass(frozen=True)
 class Window:
-    """The one visibility rule on the Python side (kernels: visible_score in forward.cuh). Key j is visible to
+    """The one visibility rule on the Python side (kernels: visible_score in forward_common.cuh). Key j is visible to
     query i when i + (m - n) - left <= j <= i + (m - n) + right: the diagonal is aligned bottom-right, and a side
     of None is unbounded. causal=True is right = min(right, 0)."""
 
@@ -97,6 +99,11 @@ class Problem:
     @property
     def batch_size(self) -> int:
         return math.prod(self.batch)
+
+    @property
+    def shape(self) -> Shape:
+        """What the planner needs of this problem."""
+        return Shape(self.dtype, self.d, self.e, self.n, self.m, self.batch_size)
 
     @property
     def empty(self) -> bool:

@@ -1,15 +1,13 @@
-"""The tensor-core forward kernel's plan (kernels/forward_mma.cuh, BlockConfig(variant="mma")): who may run it,
-its head-dimension buckets, the shared-memory model (mirrors MmaShared byte for byte), a register estimate, the
-reasons a configuration cannot run and the candidates the heuristic tries. cuflash.tiling dispatches here.
+"""The tensor-core forward kernel (kernels/forward_mma.cuh, BlockConfig variant "mma") as a Family: who may run
+it, its head-dimension buckets, the shared-memory model (mirrors MmaShared byte for byte), a register estimate,
+the configurations it takes and the candidates the heuristic tries.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
-import numpy as np
-
-from .tiling import BlockConfig, DeviceLimits, describe_workload, fmt_bytes
+from .family import C_TYPES, BlockConfig, Family, Shape
 
 DTYPES = ("float16", "bfloat16")
 MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, cp.async
@@ -37,44 +35,44 @@ def tiles_per_warp(config: BlockConfig) -> int:
     return config.Br // (ROWS_PER_TILE * config.warps)
 
 
-def q_in_registers(workload, config: BlockConfig) -> bool:
+def q_in_registers(shape: Shape, config: BlockConfig) -> bool:
     """Q_i's A fragments stay in registers for the whole sweep when they take at most 32 of them."""
-    return tiles_per_warp(config) * bucket(workload.d) <= 128
+    return tiles_per_warp(config) * bucket(shape.d) <= 128
 
 
-def shared_memory_bytes(workload, config: BlockConfig) -> int:
+def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     """Stages K and V tiles, the Q tile (reused for O by the epilogue), and P's scratch rows (in the Q tile's
     space when Q_i sits in registers); rows padded by one 16-byte chunk. Mirrors MmaShared."""
-    D, E = bucket(workload.d), bucket(workload.e)
+    D, E = bucket(shape.d), bucket(shape.e)
     k = ITEM * config.Bc * (D + ROW_PAD)
     v = ITEM * config.Bc * (E + ROW_PAD)
     q = ITEM * config.Br * (max(D, E) + ROW_PAD)
     p = ITEM * config.warps * ROWS_PER_TILE * (config.Bc + ROW_PAD)
-    rest = max(q, p) if q_in_registers(workload, config) else q + p
+    rest = max(q, p) if q_in_registers(shape, config) else q + p
     return config.stages * (k + v) + rest
 
 
-def accumulator_words(workload, config: BlockConfig) -> int:
+def accumulator_words(shape: Shape, config: BlockConfig) -> int:
     """Registers per thread for S (Bc/2 per m16 tile), O_i (E/2) and, when kept, Q_i's fragments (D/4)."""
     mt = tiles_per_warp(config)
-    words = mt * (config.Bc // 2 + bucket(workload.e) // 2)
-    if q_in_registers(workload, config):
-        words += mt * bucket(workload.d) // 4
+    words = mt * (config.Bc // 2 + bucket(shape.e) // 2)
+    if q_in_registers(shape, config):
+        words += mt * bucket(shape.d) // 4
     return words
 
 
-def registers_estimate(workload, config: BlockConfig) -> int:
-    return min(255, (64 + accumulator_words(workload, config) + 7) // 8 * 8)
+def registers_estimate(shape: Shape, config: BlockConfig) -> int:
+    return min(255, (64 + accumulator_words(shape, config) + 7) // 8 * 8)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reasons
+# Who may run it, and which configurations
 
 
-def eligibility_reasons(workload, device: DeviceLimits) -> List[str]:
+def eligibility(shape: Shape, device) -> List[str]:
     """Why the tensor-core kernel cannot serve this dtype, head dims or device at all (empty: it can)."""
     reasons = []
-    dtype = np.dtype(workload.dtype).name
+    dtype = shape.dtype.name
     if dtype not in DTYPES:
         reasons.append(f"the tensor-core kernel (variant 'mma') runs float16 and bfloat16, not {dtype}; "
                        f"the CUDA-core kernel (variant 'fma') runs {dtype}")
@@ -83,18 +81,18 @@ def eligibility_reasons(workload, device: DeviceLimits) -> List[str]:
         reasons.append(f"the tensor-core kernel needs compute capability 8.0 or newer (mma.sync m16n8k16, "
                        f"ldmatrix, cp.async); {device.name} has {major}.{minor}, where the CUDA-core kernel "
                        f"(variant 'fma') runs")
-    for name, size in (("d", workload.d), ("e", workload.e)):
+    for name, size in (("d", shape.d), ("e", shape.e)):
         if size > MAX_HEAD_DIM:
             reasons.append(f"head dimension {name}={size} is above {MAX_HEAD_DIM}, the largest the tensor-core "
                            f"kernel supports; the CUDA-core kernel (variant 'fma') takes float32 up to 512")
     return reasons
 
 
-def shape_reasons(config: BlockConfig) -> List[str]:
+def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
     reasons = []
-    if config.warps not in (1, 2, 4, 8):
-        reasons.append(f"warps={config.warps} is not supported: the tensor-core kernel runs 1, 2, 4 or 8 warps")
-        return reasons
+    if config.head_tile is not None:
+        reasons.append(f"head_tile={config.head_tile} is a setting of the CUDA-core kernel (variant 'fma'); the "
+                       f"tensor-core kernel takes head dims up to {MAX_HEAD_DIM} whole")
     rows = [ROWS_PER_TILE * t * config.warps for t in TILES_PER_WARP]
     if config.Br not in rows:
         reasons.append(f"Br={config.Br} is not supported by the tensor-core kernel with {config.warps} warps: "
@@ -102,39 +100,15 @@ def shape_reasons(config: BlockConfig) -> List[str]:
     if not (config.Bc % 16 == 0 and 16 <= config.Bc <= MAX_BC):
         reasons.append(f"Bc={config.Bc} is not supported by the tensor-core kernel: Bc must be a multiple of 16 "
                        f"between 16 and {MAX_BC}")
-    if config.stages not in STAGES:
-        reasons.append(f"stages={config.stages} is not supported by the tensor-core kernel: its K/V pipeline "
-                       f"has {' or '.join(map(str, STAGES))} stages")
     return reasons
 
 
-def not_supported_reasons(workload, config: BlockConfig, device: DeviceLimits, *, suggest: bool = True) -> List[str]:
-    """Every reason `config` (variant "mma") cannot run `workload` on `device`, as sentences."""
-    reasons = eligibility_reasons(workload, device)
-    if reasons:
-        return reasons
-    reasons = shape_reasons(config)
-    if not reasons:
-        what = f"block {config} for {describe_workload(workload)}"
-        smem = shared_memory_bytes(workload, config)
-        if config.threads > device.max_threads_per_block:
-            reasons.append(f"{what} runs {config.threads} threads; {device.name} allows "
-                           f"{device.max_threads_per_block}")
-        if smem > device.smem_per_block:
-            reasons.append(f"{what} needs {fmt_bytes(smem)} of shared memory; {device.name} allows "
-                           f"{fmt_bytes(device.smem_per_block)} per block")
-        words = accumulator_words(workload, config)
-        if words > REGISTER_LIMIT:
-            reasons.append(f"{what} keeps {words} accumulator registers per thread, more than the "
-                           f"{REGISTER_LIMIT} the kernel holds without spilling; use a smaller Br or Bc, or more warps")
-    if reasons and suggest:
-        fit = first_fit(workload, device)
-        reasons[-1] += f"; {fit} fits" if fit else f"; no tensor-core configuration fits on {device.name}"
-    return reasons
+def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
+    """fwd_mma<T, Br, Bc, D, E, Warps, Stages[, Split]>."""
+    args = [C_TYPES[shape.dtype.name], config.Br, config.Bc, bucket(shape.d), bucket(shape.e), config.warps,
+            config.stages]
+    return args + ["true"] if split else args
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# The heuristic
 
 # Preference order: 128 query rows with 4 warps of two m16 tiles (K and V fragments reused twice) where the
 # registers allow it (small head dims), else 8 warps of one; smaller tiles for large head dims on smaller
@@ -142,20 +116,12 @@ def not_supported_reasons(workload, config: BlockConfig, device: DeviceLimits, *
 CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
     (128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 32, 1), (16, 16, 1)))
 
-
-def first_fit(workload, device: DeviceLimits) -> Optional[BlockConfig]:
-    """The first candidate within the register target that runs; else the first that runs; None if none."""
-    if eligibility_reasons(workload, device):
-        return None
-    runs = [c for c in CANDIDATES if not not_supported_reasons(workload, c, device, suggest=False)]
-    roomy = [c for c in runs if accumulator_words(workload, c) <= REGISTER_TARGET]
-    return (roomy or runs)[0] if runs else None
-
-
-def with_warps(br: int, bc: int, workload, device: DeviceLimits) -> Optional[BlockConfig]:
-    """(Br, Bc) as a tensor-core configuration with the first warp count that runs it (4, 8, 2, 1), or None."""
-    for warps in (4, 8, 2, 1):
-        config = BlockConfig(br, bc, warps, 2, "mma")
-        if not not_supported_reasons(workload, config, device, suggest=False):
-            return config
-    return None
+FORWARD = Family(
+    variant="mma", title="tensor-core", template="cuflash::fwd_mma", source="forward_mma.cuh",
+    shared_struct="MmaShared", eligibility=eligibility, config_reasons=config_reasons,
+    buckets=lambda shape, config: (bucket(shape.d), bucket(shape.e)),
+    shared_memory_bytes=shared_memory_bytes, accumulator_words=accumulator_words,
+    registers_estimate=registers_estimate, template_args=template_args,
+    column_width=lambda shape, config: max(1, shape.e), candidates=lambda shape: [CANDIDATES],
+    register_target=REGISTER_TARGET, register_limit=REGISTER_LIMIT,
+    register_advice="use a smaller Br or Bc, or more warps", stages=STAGES)

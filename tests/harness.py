@@ -81,16 +81,13 @@ def record_events(case, backend, block=None):
         from cuflash import tiling
         from cuflash.backends import simt
         problem = problem_and_outputs(case.q, case.k, case.v, **o)[0]
-        config = tiling.resolve(block, problem, simt.DEVICE)
-        from cuflash import tensorcore
-        if config.variant == "mma":
-            bucket = tensorcore.bucket(problem.d)
-        else:
-            bucket = tiling.bucket(problem.d) if problem.d <= tiling.HEAD_DIM_BUCKETS[-1] else "sliced"
-        event(f"kernel {config.variant} d bucket {bucket}")
+        plan = tiling.plan(problem.shape, simt.DEVICE, block)
+        config = plan.config
+        D = plan.family.buckets(problem.shape, config)[0]
+        event(f"kernel {config.variant} d bucket {D if problem.d <= D else 'sliced'}")
         event(f"key tiles {'> 1' if m > config.Bc else '1'}")
         event(f"n {'>' if n > config.Br else '<='} Br")
-        if tiling.key_splits(problem, config, simt.DEVICE) > 1:
+        if plan.splits > 1:
             event("split keys")
 
 

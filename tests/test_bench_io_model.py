@@ -104,7 +104,7 @@ def test_our_tables_use_the_planners_tiling():
     io_model = load_io_model()
     table = io_model.planner_table()
     for device in tiling.KNOWN:
-        config = tiling.choose(io_model.SEED_WORKLOAD, device)
+        config = tiling.choose(io_model.SEED_SHAPE, device)
         row = next(line for line in table.splitlines() if line[:18].strip() == device.name)
         assert f"{config.Br} x {config.Bc}" in row and config.variant in row
     assert "A100                  mma  128 x 64     8     102.0     163      2.063   1.094   32 / 16.5" in table

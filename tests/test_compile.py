@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from cuflash import launch, nvrtc, tiling
+from cuflash import cudacore, nvrtc, tiling
+from cuflash.family import C_TYPES, Shape
 from cuflash.dtypes import FLOATS
 
 
@@ -32,13 +33,13 @@ def test_shared_memory_layout_equals_the_model():
     for dtype in FLOATS:
         for d, e in ((1, 1), (59, 3), (64, 64), (111, 256), (256, 128), (512, 512)):
             for config in (tiling.BlockConfig(64, 64), tiling.BlockConfig(16, 48, 8), tiling.BlockConfig(4, 16, 2)):
-                w = tiling.Workload(dtype, d, e)
-                if d > tiling.MAX_BUCKET[dtype.name]:
+                w = Shape(dtype, d, e)
+                if d > cudacore.MAX_BUCKET[dtype.name]:
                     continue
-                ctype = launch.C_TYPES[dtype.name]
-                args = f"{ctype}, {config.Br}, {config.Bc}, {tiling.bucket(d)}, {tiling.bucket(e)}"
+                ctype = C_TYPES[dtype.name]
+                args = f"{ctype}, {config.Br}, {config.Bc}, {cudacore.bucket(d)}, {cudacore.bucket(e)}"
                 expected[args] = tiling.shared_memory_bytes(w, config)
-    nvrtc.check_shared_layout(expected)
+    nvrtc.check_shared_layout(cudacore.FORWARD, expected)
 
 
 def test_chosen_instantiations_compile_without_spills():

@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash import DeviceLimits, launch, tensorcore, tiling
-from cuflash.tiling import Workload
+from cuflash import DeviceLimits, kernels, tensorcore, tiling
+from cuflash.family import Shape as Workload
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -77,8 +77,8 @@ def build(arch):
     """{name expression: (SASS text, ptxas usage)} for every chosen configuration, from one NVRTC program."""
     from cuflash import nvrtc
 
-    names = sorted({launch.kernel_name(w, c, split) for w, c, split in chosen(arch)})
-    cubin, log, lowered = nvrtc.compile_program(launch.source(), names, arch)
+    names = sorted({tiling.family_of(c).name_expression(w, c, split) for w, c, split in chosen(arch)})
+    cubin, log, lowered = nvrtc.compile_program(kernels.source(tensorcore.FORWARD.source), names, arch)
     usage = nvrtc.parse_ptxas(log)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernels.cubin")
@@ -103,11 +103,11 @@ def opcodes(text: str):
 
 @pytest.mark.parametrize("arch", sorted(GPUS))
 def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch):
-    kernels = build(arch)
+    built = build(arch)
     rows = []
     for workload, config, split in chosen(arch):
-        name = launch.kernel_name(workload, config, split)
-        sass, usage, _ = kernels[name]
+        name = tiling.family_of(config).name_expression(workload, config, split)
+        sass, usage, _ = built[name]
         ops = opcodes(sass)
         assert config.variant == "mma", (workload, config)
         missing = {"HMMA", "LDSM", "LDGSTS"} - ops
@@ -135,6 +135,4 @@ def test_shared_memory_model_matches_the_kernel(arch):
                 args = (f"{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(d)}, {tensorcore.bucket(e)}, "
                         f"{config.warps}, {config.stages}")
                 layouts[args] = tensorcore.shared_memory_bytes(w, config)
-    lines = [f'static_assert(cuflash::MmaShared<{args}>::bytes == {nbytes}, "model: {args} -> {nbytes}");'
-             for args, nbytes in layouts.items()]
-    nvrtc.compile_program(launch.source() + "\n".join(lines) + "\n", [], arch)
+    nvrtc.check_shared_layout(tensorcore.FORWARD, layouts, arch)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import cuflash
 import cuflash.simt
 from cuflash import BlockConfig, DeviceLimits, launch, tensorcore, tiling
-from cuflash.tiling import Workload
+from cuflash.family import Shape as Workload
 from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
 from strategies import cases, randn
@@ -52,12 +52,11 @@ def test_split_keys_launch():
     rng = np.random.default_rng(11)
     q, k, v = randn(rng, (1, 100, 64), F16), randn(rng, (1, 2000, 64), F16), randn(rng, (1, 2000, 40), F16)
     problem, out, lse = problem_and_outputs(q, k, v, causal=True)
-    config = tiling.resolve("mma", problem, H100)
-    assert tiling.key_splits(problem, config, H100) == 3  # one query tile; 2000 // 512 splits at most
-    keys, count = launch.split_keys(problem.m, 3, config.Bc)
+    plan = tiling.plan(problem.shape, H100, "mma")
+    assert tiling.key_splits(problem.shape, plan.config, H100) == 3  # one query tile; 2000 // 512 splits at most
+    count = plan.splits
     parts_out, parts_lse = np.empty((count, 1, 100, 40), np.float32), np.empty((count, 1, 100), np.float32)
-    split = launch.KeySplit(keys, count, parts_out[0].size, parts_lse[0].size)
-    (only,) = launch.launches(problem, parts_out[0], parts_lse[0], config, split)
+    (only,) = launch.launches(problem, parts_out[0], parts_lse[0], plan, (parts_out[0].size, parts_lse[0].size))
     assert only.name.endswith(", 2, true>") and only.grid[0] == 3
     out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", block="mma", return_lse=True)
     assert_accurate(out, q, k, v, lse=lse, causal=True)
@@ -191,13 +190,13 @@ def test_simt_backend_picks_tensor_cores_for_halves():
     rng = np.random.default_rng(14)
     q = randn(rng, (20, 64), F16)
     problem, out, lse = problem_and_outputs(q, q, q)
-    config = tiling.resolve(None, problem, cuflash.backends.simt.DEVICE)
-    (only,) = launch.launches(problem, out, lse, config)
+    plan = tiling.plan(problem.shape, cuflash.backends.simt.DEVICE)
+    (only,) = launch.launches(problem, out, lse, plan)
     assert only.name.startswith("cuflash::fwd_mma<__half, ")
-    assert only.shared_mem == tensorcore.shared_memory_bytes(problem, config)
-    assert tiling.resolve((64, 64), problem, H100) == BlockConfig.mma(64, 64, 4)
-    assert tiling.resolve((8, 16), problem, H100).variant == "fma"  # not a tensor-core shape
-    assert tiling.resolve("fma", problem, H100).variant == "fma"
+    assert only.shared_mem == tensorcore.shared_memory_bytes(problem.shape, plan.config)
+    assert tiling.resolve((64, 64), problem.shape, H100) == BlockConfig.mma(64, 64, 4)
+    assert tiling.resolve((8, 16), problem.shape, H100).variant == "fma"  # not a tensor-core shape
+    assert tiling.resolve("fma", problem.shape, H100).variant == "fma"
 
 
 @pytest.mark.parametrize("workload, device, config, pattern", [

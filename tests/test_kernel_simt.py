@@ -24,6 +24,11 @@ HEAD_DIMS = (1, 3, 17, 32, 59, 64, 111, 128, 200)  # every bucket up to 256 (512
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
+def plan_for(problem, block):
+    """The emulated device's plan for problem with `block` forced."""
+    return tiling.plan(problem.shape, simt.DEVICE, block)
+
+
 @given(cases(lengths=LENGTHS, head_dims=HEAD_DIMS))
 @settings(max_examples=100)
 def test_matches_reference(case):
@@ -69,11 +74,12 @@ def test_split_keys_launch_and_hidden_values():
     mask[1] = False  # a row no split sees
     k[..., 700:800, :], v[..., 900:1000, :] = np.nan, np.inf  # hidden non-finite values never leak
     problem, out, lse = problem_and_outputs(q, k, v, mask=mask)
-    config = tiling.resolve(None, problem, simt.DEVICE)
-    splits = tiling.key_splits(problem, config, simt.DEVICE)
+    plan = tiling.plan(problem.shape, simt.DEVICE)
+    config = plan.config
+    splits = tiling.key_splits(problem.shape, config, simt.DEVICE)
     assert (config.Br, config.variant, splits) == (8, "fma", 3)  # 2 blocks; 2000 // 512 splits at most
-    keys, count = launch.split_keys(2000, splits, config.Bc)
-    assert (keys, count) == (672, 3)
+    keys, count = tiling.split_keys(2000, splits, config.Bc)
+    assert (keys, count) == (672, 3) == (plan.split_keys, plan.splits)
     out, lse = cuflash.attention(q, k, v, mask=mask, backend="simt", return_lse=True)
     assert (out[:, :, 1] == 0).all() and np.isneginf(lse[:, :, 1]).all()
     assert np.isfinite(out.astype(np.float64)).all()
@@ -85,10 +91,10 @@ def test_split_keys_with_slices_and_column_blocks():
     rng = np.random.default_rng(10)
     q, k, v = randn(rng, (2, 3, 600)), randn(rng, (2, 1100, 600)), randn(rng, (2, 1100, 700))
     problem, out, lse = problem_and_outputs(q, k, v, causal=True)
-    config = tiling.resolve(None, problem, simt.DEVICE)
-    assert tiling.key_splits(problem, config, simt.DEVICE) == 2
-    assert launch.kernel_name(problem, config, split=True) == "cuflash::fwd<float, 8, 32, 512, 512, 4, true, true>"
-    assert launch.column_blocks(problem, config) == [(0, 512), (512, 700)]
+    plan = tiling.plan(problem.shape, simt.DEVICE)
+    assert tiling.key_splits(problem.shape, plan.config, simt.DEVICE) == plan.splits == 2
+    assert plan.name == "cuflash::fwd<float, 8, 32, 512, 512, 4, true, true>"
+    assert plan.column_blocks == ((0, 512), (512, 700))
     check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt")
 
 
@@ -97,7 +103,7 @@ def test_wide_e_is_split_into_column_blocks():
     q, k = randn(rng, (2, 9, 70), np.float64), randn(rng, (2, 33, 70), np.float64)
     v = randn(rng, (2, 33, 2 * 1100), np.float64)[..., ::2]
     problem, out, lse = problem_and_outputs(q, k, v)
-    blocks = launch.launches(problem, out, lse, BlockConfig(4, 16, warps=2))
+    blocks = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(4, 16, warps=2)))
     assert [x.name for x in blocks] == ["cuflash::fwd<double, 4, 16, 128, 512, 2>"] * 3
     assert [x.args[-1] & launch.WANT_LSE for x in blocks] == [launch.WANT_LSE, 0, 0]  # lse written once
     assert [int(x.args[11]) for x in blocks] == [512, 512, 76]  # e of each column block
@@ -179,7 +185,8 @@ def test_batch_with_more_dims_than_the_kernel_takes():
     q = randn(rng, batch + (5, 4))
     k = randn(rng, (2, 1) * 3 + (2, 6, 4))
     v = randn(rng, (1, 2) * 3 + (2, 6, 3))
-    problem_launches = launch.launches(*problem_and_outputs(q, k, v), BlockConfig(16, 16))
+    problem, out, lse = problem_and_outputs(q, k, v)
+    problem_launches = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(16, 16)))
     assert len(problem_launches) == 2
     out = cuflash.attention(q, k, v, backend="simt")
     assert_accurate(out, q, k, v)
@@ -192,7 +199,7 @@ def test_vector_loads_only_when_aligned(offset):
     q = base[:, :, offset:offset + 64]  # offset 1: every row starts 2 bytes past a 16-byte boundary
     k, v = base[:, :37, 8 - offset:72 - offset], base[:, 3:, :64]
     problem, out, lse = problem_and_outputs(q, k, v)
-    flags = launch.launches(problem, out, lse, BlockConfig(64, 64))[0].args[-1]
+    flags = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(64, 64)))[0].args[-1]
     vector_q = bool(flags & launch.VECTOR_Q)
     assert vector_q == (offset == 0 and q.ctypes.data % 16 == 0)
     result = cuflash.attention(q, k, v, backend="simt")
@@ -204,8 +211,8 @@ def test_launch_uses_the_shared_memory_model():
     q, k, v = randn(rng, (20, 59)), randn(rng, (30, 59)), randn(rng, (30, 111))
     problem, out, lse = problem_and_outputs(q, k, v)
     config = BlockConfig(32, 64)
-    (only,) = launch.launches(problem, out, lse, config)
-    assert only.shared_mem == tiling.shared_memory_bytes(problem, config)
+    (only,) = launch.launches(problem, out, lse, plan_for(problem, config))
+    assert only.shared_mem == tiling.shared_memory_bytes(problem.shape, config)
     assert only.name == "cuflash::fwd<float, 32, 64, 64, 128, 4>"
     assert only.block == (128, 1, 1) and only.grid == (1, 1, 1)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import kernels, launch, simt
+from cuflash import kernels, simt, tiling
 from cuflash.simt import _source
 
 HERE = Path(__file__).resolve().parent
@@ -25,8 +25,14 @@ def line_of(name, text):
 
 def test_every_assembled_line_is_where_its_directive_says():
     """Walk the assembled source as a preprocessor would: each line is the named file's line of that number."""
-    source = launch.source()
     files = {}
+    for source in (kernels.source(family.source) for family in tiling.FAMILIES):
+        check_directives(source, files)
+    assert set(files) == {"forward_mma.cuh", "forward.cuh", "forward_common.cuh", "tile.cuh", "common.cuh",
+                          "mma_tile.cuh", "ptx.cuh"}
+
+
+def check_directives(source, files):
     for pos in [m.start() for m in re.finditer(r"^", source, flags=re.M)][:-1]:
         line = source[pos:source.find("\n", pos)]
         if line.startswith("#line"):
@@ -37,13 +43,12 @@ def test_every_assembled_line_is_where_its_directive_says():
         text = files.setdefault(name, kernels.read(name).splitlines())
         original = text[number - 1]
         assert line == ("" if original.strip() == "#pragma once" else original), (file, number)
-    assert set(files) == {"forward_mma.cuh", "forward.cuh", "tile.cuh", "common.cuh", "mma_tile.cuh", "ptx.cuh"}
 
 
 @pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
 def test_gxx_errors_name_the_true_line():
     with pytest.raises(simt.CompileError) as error:
-        simt.RawModule(code=launch.source(), name_expressions=[BAD_TILE], filename="forward_mma.cuh")
+        simt.RawModule(code=kernels.source("forward.cuh"), name_expressions=[BAD_TILE], filename="forward.cuh")
     line = line_of("forward.cuh", "static_assert(Br % RG == 0")
     assert re.search(rf"cuflash/kernels/forward\.cuh:{line}:\d+: error: static assertion failed", str(error.value)), \
         str(error.value)[-3000:]
@@ -52,7 +57,7 @@ def test_gxx_errors_name_the_true_line():
 def test_nvrtc_errors_name_the_true_line():
     from cuflash import nvrtc
     with pytest.raises(nvrtc.CompileError) as error:
-        nvrtc.compile_program(launch.source(), [BAD_TILE], "sm_80")
+        nvrtc.compile_program(kernels.source("forward.cuh"), [BAD_TILE], "sm_80")
     line = line_of("forward.cuh", "static_assert(Br % RG == 0")
     assert f"cuflash/kernels/forward.cuh({line}): error: static assertion failed" in str(error.value), \
         str(error.value)[-3000:]
@@ -60,10 +65,10 @@ def test_nvrtc_errors_name_the_true_line():
 
 def test_emulator_source_errors_name_the_true_line():
     declaration = "extern __shared__ __align__(16) unsigned char smem[];"
-    source = launch.source().replace(declaration, "extern __shared__ unsigned char smem[16];", 1)
+    source = kernels.source("forward.cuh").replace(declaration, "extern __shared__ unsigned char smem[16];", 1)
     line = line_of("forward.cuh", declaration)
     with pytest.raises(_source.SourceError, match=rf"^cuflash/kernels/forward\.cuh:{line}: cannot read this extern"):
-        _source.rewrite(source, "forward_mma.cuh")
+        _source.rewrite(source, "forward.cuh")
 
 
 @pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))

@@ -4,8 +4,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash import BlockConfig, DeviceLimits, tiling
-from cuflash.tiling import Workload, choose, not_supported_reasons, shared_memory_bytes
+from cuflash import BlockConfig, DeviceLimits, cudacore, tiling
+from cuflash.family import Shape as Workload
+from cuflash.tiling import choose, not_supported_reasons, shared_memory_bytes
 
 F16, BF16, F32, F64 = (np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
 GPUS = ("T4", "A10", "RTX 3090", "A100", "L4", "RTX 4090", "H100", "H200")
@@ -39,12 +40,12 @@ def test_heuristic_choice_runs(gpu, dtype, d):
     w = Workload(dtype, d, d)
     config = choose(w, device)
     if config.head_tile is not None:  # only where whole head dims fit no candidate
-        assert all(not_supported_reasons(w, c, device) for c in tiling.CANDIDATES)
+        assert all(not_supported_reasons(w, c, device) for c in cudacore.CANDIDATES)
     assert not_supported_reasons(w, config, device) == []
     assert shared_memory_bytes(w, config) <= device.smem_per_block
     assert tiling.occupancy(w, config, device) >= 1
     if getattr(config, "variant", "fma") == "fma":  # the CUDA-core kernel's register bound
-        assert tiling.accumulator_words(w, config) <= tiling.ACC_REGISTER_LIMIT
+        assert tiling.accumulator_words(w, config) <= cudacore.ACC_REGISTER_LIMIT
 
 
 def test_heuristic_choices_on_known_gpus():
@@ -87,8 +88,8 @@ def test_head_tiles():
     w = Workload(F64, 256, 256)  # 64 KiB of shared memory: no whole-d tile of float64 fits
     config = choose(w, t4)
     assert config.head_tile == 128 and str(config) == "(16, 16, warps=8, head_tile=128)"
-    assert tiling.fma_buckets(w, config) == (128, 128)
-    assert tiling.fma_buckets(Workload(F64, 100, 20), config) == (128, 32)  # narrower dims keep their own bucket
+    assert cudacore.buckets(w, config) == (128, 128)
+    assert cudacore.buckets(Workload(F64, 100, 20), config) == (128, 32)  # narrower dims keep their own bucket
     (reason,) = not_supported_reasons(w, BlockConfig(16, 16, 8), t4)
     assert reason.endswith("allows 64 KiB per block; (16, 16, warps=8, head_tile=128) fits")
     (reason,) = not_supported_reasons(w, BlockConfig(16, 16, 8, head_tile=48), t4)
@@ -101,11 +102,10 @@ def test_head_tiles():
 
 
 def test_key_splits_and_the_decoding_choice():
-    from types import SimpleNamespace as Shape
     h100 = DeviceLimits.known("H100")  # 132 SMs
 
     def problem(n, m, batch_size, dtype=F16, d=128):
-        return Shape(dtype=dtype, d=d, e=d, n=n, m=m, batch_size=batch_size)
+        return Workload(dtype=dtype, d=d, e=d, n=n, m=m, batch_size=batch_size)
 
     one_query = problem(1, 32768, 16)
     config = choose(one_query, h100)
@@ -142,4 +142,4 @@ def test_occupancy():
     a100 = DeviceLimits.known("A100")
     w = Workload(F16, 64, 64)
     config = BlockConfig(64, 64)  # 40.75 KiB + 1 KiB reserved: 4 per 164 KiB SM
-    assert tiling.occupancy(w, config, a100) == min(4, 65536 // (tiling.registers_estimate(w, config) * 128))
+    assert tiling.occupancy(w, config, a100) == min(4, 65536 // (cudacore.registers_estimate(w, config) * 128))

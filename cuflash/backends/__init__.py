@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib
 
+from ..errors import BackendUnavailableError
+
+__all__ = ["BackendUnavailableError", "NAMES", "get", "unavailable"]
+
 NAMES = ("numpy", "cupy", "simt")
-
-
-class BackendUnavailableError(RuntimeError):
-    """The chosen backend cannot run on this machine; the message says why."""
 
 
 def get(name, xp):

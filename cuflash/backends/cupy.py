@@ -1,7 +1,7 @@
 """The cupy backend: the CUDA kernels on CuPy arrays, compiled at run time by cupy.RawModule (NVRTC).
 
 Planning and launching are shared with the simt backend (cuflash.tiling, cuflash.launch). Each instantiation is
-compiled once per process and device from the one assembled source string (CuPy's disk cache keys on it), with
+compiled once per process and device from its family's assembled source string (CuPy's disk cache keys on it), with
 -I for cuda_fp16.h/cuda_bf16.h (CuPy ships neither; the nvidia-cuda-runtime wheel does). After compiling, the
 kernel's attributes are checked: a spill to local memory in a configuration the heuristic chooses is a bug.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import warnings
 
-from .. import launch, nvrtc, tiling
+from .. import kernels, launch, nvrtc, tiling
+from ..devices import DeviceLimits
 
 ARRAYS = "cupy"
 
@@ -34,10 +35,10 @@ def unavailable():
     return None
 
 
-def device_limits(device_id: int) -> tiling.DeviceLimits:
+def device_limits(device_id: int) -> DeviceLimits:
     limits = _limits.get(device_id)
     if limits is None:
-        limits = _limits[device_id] = tiling.DeviceLimits.of(device_id)
+        limits = _limits[device_id] = DeviceLimits.of(device_id)
     return limits
 
 
@@ -53,23 +54,24 @@ def run(problem, out, lse, block=None):
                          f"with cupy.asarray inside `with cupy.cuda.Device(i)`")
     with device:
         limits = device_limits(device.id)
-        config = tiling.resolve(block, problem, limits)
+        plan = tiling.plan(problem.shape, limits, block)
         chosen = block is None
 
-        def get_kernel(name, shared_mem):
-            return kernel(device.id, name, shared_mem, limits, check_spills=chosen)
+        def get_kernel(plan):
+            return kernel(device.id, plan, limits, check_spills=chosen)
 
-        launch.run(problem, out, lse, config, get_kernel, tiling.key_splits(problem, config, limits))
+        launch.run(problem, out, lse, plan, get_kernel)
 
 
-def kernel(device_id: int, name: str, shared_mem: int, limits, check_spills=True):
+def kernel(device_id: int, plan: tiling.Plan, limits, check_spills=True):
     import cupy
 
     options = tuple(nvrtc.options())  # no -arch: CuPy appends the current device's, and NVRTC refuses a second
+    name, shared_mem = plan.name, plan.shared_mem
     key = (device_id, options, name)
     function = _functions.get(key)
     if function is None:
-        module = cupy.RawModule(code=launch.source(), options=options, name_expressions=[name])
+        module = cupy.RawModule(code=kernels.source(plan.source), options=options, name_expressions=[name])
         function = module.get_function(name)
         local = function.local_size_bytes
         if local and check_spills:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 
-from .. import launch, tiling
+from .. import kernels, launch, tiling
+from ..devices import DeviceLimits
 
 ARRAYS = "numpy"
 
-DEVICE = tiling.DeviceLimits.known("H100")
+DEVICE = DeviceLimits.known("H100")
 OPTIONS = ("--std=c++17",)
 
 _functions = {}  # (name expression, mode) -> compiled kernel, once per process
@@ -25,19 +26,18 @@ def unavailable():
 
 
 def run(problem, out, lse, block=None):
-    config = tiling.resolve(block, problem, DEVICE)
-    launch.run(problem, out, lse, config, get_kernel, tiling.key_splits(problem, config, DEVICE))
+    launch.run(problem, out, lse, tiling.plan(problem.shape, DEVICE, block), get_kernel)
 
 
-def get_kernel(name: str, shared_mem: int):
+def get_kernel(plan: tiling.Plan):
     from .. import simt
 
-    key = (name, os.environ.get("CUFLASH_SIMT_MODE") or "fast")
+    key = (plan.name, os.environ.get("CUFLASH_SIMT_MODE") or "fast")
     function = _functions.get(key)
     if function is None:
-        module = simt.RawModule(code=launch.source(), options=OPTIONS, name_expressions=[name],
-                                max_dynamic_shared=DEVICE.smem_per_block, filename="forward.cuh")
-        function = module.get_function(name)
+        module = simt.RawModule(code=kernels.source(plan.source), options=OPTIONS, name_expressions=[plan.name],
+                                max_dynamic_shared=DEVICE.smem_per_block, filename=plan.source)
+        function = module.get_function(plan.name)
         function.max_dynamic_shared_size_bytes = DEVICE.smem_per_block
         _functions[key] = function
     return function

@@ -13,7 +13,7 @@
 // holds partial results in the accumulator type.
 #pragma once
 
-#include "tile.cuh"
+#include "forward_common.cuh"
 
 namespace cuflash {
 
@@ -21,7 +21,7 @@ constexpr int kLanesPerRow = 16;  // TC
 
 __host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
-// Shared memory of one block, all dynamic. cuflash/tiling.py's shared-memory model mirrors this layout exactly.
+// Shared memory of one block, all dynamic. cuflash/cudacore.py's shared-memory model mirrors this layout exactly.
 template <typename T, int Br, int Bc, int D, int E>
 struct ForwardShared {
     using Acc = typename AccOf<T>::type;
@@ -35,106 +35,6 @@ struct ForwardShared {
     static constexpr size_t p_offset = v_offset + align16(sizeof(T) * Bc * LDV);
     static constexpr size_t bytes = p_offset + align16(sizeof(Acc) * Br * LDP);
 };
-
-// Launch flags (one int): which operands take 16-byte loads, and which optional operands exist.
-// The bias comes in the accumulator type (the launch casts the un-broadcast original once).
-// kBiasHides: the bias may hold -inf, which hides its key as the mask does (by selection, per element).
-enum ForwardFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32,
-                    kBiasHides = 64 };
-
-// What a block of either forward kernel reads of the launch: its query tile (rows [i0, i0 + rows)), the keys it
-// sweeps, every operand's base offset for its batch item and strides (references into the geometry table, read
-// where used), the diagonal offset m - n (bottom-right aligned) and which optional operands exist. Each kernel
-// returns for b >= g.batch_count first: such a b has no offsets.
-struct KeyRange { long long begin, end; };
-struct BlockOperands {
-    long long i0;
-    int rows;
-    KeyRange keys;
-    BatchOffsets base;
-    const OperandStrides &q, &k, &v, &mask, &bias, &out, &lse;
-    long long offset;
-    bool has_mask, has_bias, bias_hides;
-};
-
-// The launch spreads the batch over gridDim.y x gridDim.z.
-__device__ __forceinline__ long long batch_item() { return blockIdx.y + (long long)gridDim.y * blockIdx.z; }
-
-// Keys [begin, end) that any of the query rows [i0, i1) can see. left/right are the window's reach (the launch
-// passes n + m + 1 for an unbounded side); offset = m - n aligns the diagonal bottom-right.
-__device__ __forceinline__ KeyRange key_range(long long i0, long long i1, long long m, long long offset,
-                                              long long left, long long right) {
-    const long long begin = max_ll(0, i0 + offset - left);
-    const long long end = min_ll(m, i1 - 1 + offset + right + 1);
-    return {begin, max_ll(begin, end)};
-}
-
-// With Split, gridDim.x holds (key splits) x (query tiles) blocks: this block's tile and split. A split sweeps
-// only its share of the keys and writes its partial out and lse at its own place (the launch code combines the
-// splits). A compile-time choice, like Sliced: the split arithmetic costs the other kernels registers.
-template <int Br, bool Split>
-__device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long long b, long long n, long long m,
-                                                        long long left, long long right, int flags) {
-    const long long tiles = Split ? max_ll(1, (n + Br - 1) / Br) : 1, split = Split ? blockIdx.x / tiles : 0;
-    const long long i0 = (Split ? blockIdx.x % tiles : blockIdx.x) * (long long)Br;
-    const int rows = (int)min_ll(Br, n - i0);
-    KeyRange keys = key_range(i0, i0 + rows, m, m - n, left, right);
-    BatchOffsets base = batch_offsets(g, b);
-    if constexpr (Split) {
-        keys.begin = max_ll(keys.begin, split * g.split_keys);
-        keys.end = max_ll(keys.begin, min_ll(keys.end, (split + 1) * g.split_keys));
-        base.of[kOut] += split * g.split_out;
-        base.of[kLse] += split * g.split_lse;
-    }
-    return {i0, rows, keys, base, g.op[kQ], g.op[kK], g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse],
-            m - n, (flags & kHasMask) != 0, (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
-}
-
-// In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,
-// so a NaN or inf in a hidden value row never reaches the output through 0 * inf.
-template <typename A> __device__ __forceinline__ A hidden_p() { return A(-1); }
-
-// Scale, bias and visibility of one score S (q_i . k_j) in the log2 domain, shared by both kernels. A hidden
-// key's score becomes -inf by selection, and visible says so: the window and the mask decide where partial
-// (a tile that straddles the window, carries a mask or a hiding bias, or ends early), and a bias of -inf hides
-// its key as the mask does (where ops.bias_hides), so a NaN in that key never counts.
-template <typename A>
-__device__ __forceinline__ A visible_score(A S, A scale_log2, const BlockOperands& ops, const A* bias,
-                                           const bool* mask, long long i, long long j, int jj, int cols,
-                                           long long n, long long left, long long right, bool partial,
-                                           bool& visible) {
-    constexpr A kLog2e = A(1.4426950408889634);
-    visible = i < n;  // rows past n (the last tile's tail) are computed but never stored
-    if (partial) {
-        visible = visible && jj < cols && j >= i + ops.offset - left && j <= i + ops.offset + right;
-        if (visible && ops.has_mask) visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
-    }
-    A s = S * scale_log2;
-    if (visible && ops.has_bias) {
-        const A b = bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col];
-        if (ops.bias_hides) visible = b != -infinity<A>();
-        s += b * kLog2e;
-    }
-    return visible ? s : -infinity<A>();
-}
-
-// True when the window hides no key of rows [i0, i1) x keys [j0, j1).
-__device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, long long j0, long long j1,
-                                                   long long offset, long long left, long long right) {
-    return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
-}
-
-// Whether a tile pays for per-element visibility (visible_score's partial): it straddles the window, carries a
-// mask or a bias that may hide, or ends early (cols < Bc). Full tiles of neither kind skip all of it.
-__device__ __forceinline__ bool tile_is_partial(const BlockOperands& ops, long long j0, int cols, int Bc,
-                                                long long left, long long right) {
-    return ops.has_mask || ops.bias_hides || cols < Bc ||
-           !tile_fully_visible(ops.i0, ops.i0 + ops.rows, j0, j0 + cols, ops.offset, left, right);
-}
-
-// The output's type: T, or the accumulator's for the partial results of split keys.
-template <typename T, bool Split> struct OutOf { using type = T; };
-template <typename T> struct OutOf<T, true> { using type = typename AccOf<T>::type; };
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, bool Split = false>
 __global__ void __launch_bounds__(Warps * 32, 1)

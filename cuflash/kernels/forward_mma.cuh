@@ -20,7 +20,7 @@
 // key axis is split too (see block_operands), and out holds float partial results.
 #pragma once
 
-#include "forward.cuh"
+#include "forward_common.cuh"
 #include "mma_tile.cuh"
 
 namespace cuflash {

@@ -60,7 +60,8 @@ template <int TC, typename A> __device__ __forceinline__ A lanes_sum(A x) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Batch geometry: the batch shape and every operand's strides (in elements), an int64 table written by the launch
-// code (cuflash/launch.py builds the same layout). Broadcast dimensions have stride 0; nothing is flattened by copying.
+// code, whose layout is declared once in cuflash/launch.py (GEOMETRY) and checked against these structs by the
+// compiler. Broadcast dimensions have stride 0; nothing is flattened by copying.
 
 constexpr int kMaxBatchDims = 6;
 enum Operand { kQ = 0, kK, kV, kMask, kBias, kOut, kLse, kOperands };

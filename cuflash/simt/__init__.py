@@ -7,10 +7,10 @@ g++ compiles the same source NVRTC compiles, against ``cuflash_simt.h``, which r
 
 from ._build import CompileError, cache_dir
 from ._module import (DEFAULT_DYNAMIC_SHARED, H100_SHARED, KEEP_STACKS, MEMCHECK_HINT, RACE_HINT, Function,
-                      LaunchError, RawModule, asan_loaded, available, libasan_path, libtsan_path, memcheck_env,
+                      LaunchError, RawModule, asan_loaded, available, check, libasan_path, libtsan_path, memcheck_env,
                       sanitizer_env, tsan_loaded, unavailable_reason)
 from ._source import SourceError
 
-__all__ = ["RawModule", "Function", "LaunchError", "CompileError", "SourceError", "available",
+__all__ = ["RawModule", "Function", "check", "LaunchError", "CompileError", "SourceError", "available",
            "unavailable_reason", "asan_loaded", "libasan_path", "memcheck_env", "tsan_loaded", "libtsan_path",
            "sanitizer_env", "cache_dir", "H100_SHARED", "DEFAULT_DYNAMIC_SHARED", "MEMCHECK_HINT", "RACE_HINT"]

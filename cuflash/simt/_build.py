@@ -119,3 +119,16 @@ def build(tu: str, mode: str, options=(), display_name: str = "kernel.cu") -> Pa
             raise CompileError(f"g++ could not compile {display_name} (mode {mode}):\n{r.stderr.strip()}")
         os.replace(lib, out)  # atomic: another process sees the whole file or none
     return out
+
+
+def check_syntax(tu: str, display_name: str = "kernel.cu") -> None:
+    """Compile the translation unit without generating code: its static_asserts are evaluated, nothing is built
+    or cached. CompileError carries g++'s diagnostics."""
+    cxx = compiler()
+    if cxx is None:
+        raise CompileError("the SIMT emulator needs a C++17 compiler: install g++ or set $CXX")
+    flags = [f for f in flags_for("fast", ()) if f not in ("-shared", "-fPIC")]
+    r = subprocess.run(shlex.split(cxx) + flags + ["-fsyntax-only", "-x", "c++", "-"], input=tu,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CompileError(f"g++ rejected {display_name}:\n{r.stderr.strip()}")

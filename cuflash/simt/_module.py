@@ -49,6 +49,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def check(code: str, filename: str = "kernel.cu") -> None:
+    """Compile kernel source as a module would, without building one (static_asserts only). Unlike NVRTC, g++
+    has offsetof, so struct layouts the launch code declares are checked here."""
+    body, _ = _source.rewrite(code, filename)
+    _build.check_syntax(f'#include "cuflash_simt.h"\n#line 1 "{filename}"\n{body}\n', filename)
+
+
 def _runtime_loaded(name: str) -> bool:
     try:
         with open("/proc/self/maps") as f:

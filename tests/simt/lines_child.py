@@ -4,7 +4,7 @@ tests/test_source_lines.py as a child process. Usage: python lines_child.py"""
 
 import numpy as np
 
-from cuflash import launch, simt
+from cuflash import kernels, simt
 
 PROBE = '''
 #line 1 "lines_probe.cu"
@@ -16,7 +16,7 @@ extern "C" __global__ void tile_overrun(float* out, const float* src, int rows) 
 }
 '''
 
-module = simt.RawModule(code=launch.source() + PROBE, mode="memcheck", filename="forward_mma.cuh")
+module = simt.RawModule(code=kernels.source("forward.cuh") + PROBE, mode="memcheck", filename="forward.cuh")
 src = np.zeros((4, 16), np.float32)  # 4 rows; the call claims 8
 module.get_function("tile_overrun")((1,), (64,), (np.zeros(64, np.float32), src, np.int32(8)), shared_mem=8 * 16 * 4)
 print("NO REPORT")

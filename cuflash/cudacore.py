@@ -1,0 +1,126 @@
+"""The CUDA-core forward kernel (kernels/forward.cuh, BlockConfig variant "fma") as a Family: any float dtype on
+any GPU, head-dimension buckets 16 ... 512 (narrower head tiles for large head dims on small shared memories),
+the shared-memory model (mirrors ForwardShared byte for byte), the register model and its candidates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import List, Tuple
+
+from .dtypes import acc_dtype_of
+from .family import C_TYPES, LANES_PER_ROW, BlockConfig, Family, Shape
+
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)  # D and E instantiations; the actual d, e are run-time values
+MAX_BUCKET = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
+ACC_REGISTER_LIMIT = 96  # accumulator words per thread (S, O) above which ptxas runs out of registers (255)
+ACC_REGISTER_TARGET = 64  # what the heuristic allows itself, leaving room for addresses and staging
+MAX_TILE = 256
+
+# Preference order: large tiles with a few rows per thread first, then smaller tiles for large head dims or small
+# shared memories.
+CANDIDATES = tuple(BlockConfig(br, bc, w) for br, bc, w in (
+    (64, 64, 4), (64, 64, 8), (32, 64, 4), (32, 64, 8), (32, 32, 4), (32, 32, 8), (16, 64, 8), (16, 32, 8),
+    (16, 16, 8), (8, 32, 4), (8, 16, 4), (4, 16, 2)))
+
+
+def bucket(size: int) -> int:
+    """The head-dimension instantiation serving `size` (the smallest bucket >= size)."""
+    for b in HEAD_DIM_BUCKETS:
+        if size <= b:
+            return b
+    raise ValueError(f"head dimension {size} is above the largest bucket {HEAD_DIM_BUCKETS[-1]}")
+
+
+def buckets(shape: Shape, config: BlockConfig) -> Tuple[int, int]:
+    """(D, E) of the instantiation serving shape with config. Head dimensions past the head tile (config.head_tile,
+    else the dtype's largest bucket) are served in pieces: the kernel sweeps d in D-wide slices, and the launch
+    splits e into E-wide column blocks."""
+    limit = config.head_tile or MAX_BUCKET[shape.dtype.name]
+    return bucket(min(shape.d, limit)), bucket(min(shape.e, limit))
+
+
+def _align16(nbytes: int) -> int:
+    return (nbytes + 15) // 16 * 16
+
+
+def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
+    """Dynamic shared memory of one block: the Q, K, V tiles in the element type (rows padded to an odd number of
+    32-bit words) and P in the accumulator type; each region 16-byte aligned. Mirrors ForwardShared."""
+    item = shape.dtype.itemsize
+    acc = acc_dtype_of(shape.dtype).itemsize
+    D, E = buckets(shape, config)
+    pad = 4 // item if item < 4 else 1
+    q = _align16(item * config.Br * (D + pad))
+    k = _align16(item * config.Bc * (D + pad))
+    v = _align16(item * config.Bc * E)
+    p = _align16(acc * config.Br * (config.Bc + 1))
+    return q + k + v + p
+
+
+def accumulator_words(shape: Shape, config: BlockConfig) -> int:
+    """32-bit registers a thread holds for its scores S and output O_i: rows x (score + output columns)."""
+    rows = config.Br // max(1, config.row_groups)
+    cols = config.Bc // LANES_PER_ROW + buckets(shape, config)[1] // LANES_PER_ROW
+    return rows * cols * (acc_dtype_of(shape.dtype).itemsize // 4)
+
+
+def registers_estimate(shape: Shape, config: BlockConfig) -> int:
+    """A rough registers-per-thread figure for occupancy (the compile report has the compiler's)."""
+    return min(255, (40 + 2 * accumulator_words(shape, config) + 7) // 8 * 8)
+
+
+def eligibility(shape: Shape, device) -> List[str]:
+    if shape.dtype.name not in MAX_BUCKET:
+        return [f"dtype {shape.dtype.name} is not supported by the kernel: use float16, bfloat16, float32 or float64"]
+    return []
+
+
+def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
+    reasons = []
+    groups = config.row_groups
+    if not (config.Br % groups == 0 and groups <= config.Br <= MAX_TILE):
+        reasons.append(
+            f"Br={config.Br} is not supported with {config.warps} warps: Br must be a multiple of {groups} "
+            f"(the {groups} row groups of {LANES_PER_ROW} lanes) between {groups} and {MAX_TILE}")
+    if not (config.Bc % LANES_PER_ROW == 0 and LANES_PER_ROW <= config.Bc <= MAX_TILE):
+        reasons.append(
+            f"Bc={config.Bc} is not supported: Bc must be a multiple of {LANES_PER_ROW} "
+            f"between {LANES_PER_ROW} and {MAX_TILE}")
+    largest = MAX_BUCKET[shape.dtype.name]
+    if config.head_tile is not None and not (config.head_tile in HEAD_DIM_BUCKETS and config.head_tile <= largest):
+        allowed = ", ".join(str(b) for b in HEAD_DIM_BUCKETS if b <= largest)
+        reasons.append(f"head_tile={config.head_tile} is not supported for {shape.dtype.name}: use one of "
+                       f"{allowed}, or None")
+    return reasons
+
+
+def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
+    """fwd<T, Br, Bc, D, E, Warps[, Sliced[, Split]]>: Sliced (d swept in D-wide slices) and Split default to
+    false and are spelled out only as far as needed."""
+    D, E = buckets(shape, config)
+    sliced = shape.d > D
+    args = [C_TYPES[shape.dtype.name], config.Br, config.Bc, D, E, config.warps]
+    if sliced or split:
+        args.append("true" if sliced else "false")
+    if split:
+        args.append("true")
+    return args
+
+
+def candidates(shape: Shape) -> List[Tuple[BlockConfig, ...]]:
+    """CANDIDATES with whole head dims; then, for when none of them runs (large d on a small shared memory), the
+    same with ever narrower head tiles."""
+    widest = max(buckets(shape, CANDIDATES[0]))
+    tiles = [None] + [b for b in reversed(HEAD_DIM_BUCKETS) if b < widest]
+    return [tuple(replace(c, head_tile=tile) for c in CANDIDATES) for tile in tiles]
+
+
+FORWARD = Family(
+    variant="fma", title="CUDA-core", template="cuflash::fwd", source="forward.cuh", shared_struct="ForwardShared",
+    eligibility=eligibility, config_reasons=config_reasons, buckets=buckets,
+    shared_memory_bytes=shared_memory_bytes, accumulator_words=accumulator_words,
+    registers_estimate=registers_estimate, template_args=template_args,
+    column_width=lambda shape, config: buckets(shape, config)[1], candidates=candidates,
+    register_target=ACC_REGISTER_TARGET, register_limit=ACC_REGISTER_LIMIT,
+    register_advice="use a smaller Br or more warps")

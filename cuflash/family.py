@@ -1,0 +1,207 @@
+"""A kernel family described once, as data: Shape (what planning depends on), BlockConfig (one configuration of
+a family) and Family (which problems a kernel takes, its tile candidates, its shared-memory and register model,
+its name expression and the reasons a configuration cannot run).
+
+Each kernel module of the planner (cudacore.py, tensorcore.py) fills in one Family; the heuristic in tiling.py
+walks them. The sentences every family shares (threads, shared memory, registers, warps, the suggestion of a
+configuration that fits) are written here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .devices import DeviceLimits, fmt_bytes
+
+LANES_PER_ROW = 16  # TC in the CUDA-core kernel: lanes that share a row group
+WARPS = (1, 2, 4, 8)  # warps per block every kernel runs
+WARP_PREFERENCE = (4, 8, 2, 1)  # the order in which (Br, Bc) given without warps tries them
+C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a plan depends on: the element dtype and the head dims d and e, and, when known, the query and key
+    counts n, m and the batch size. n or m None: planned for any sequence lengths (no key splits, no decoding
+    choice). A Problem gives its own as Problem.shape."""
+
+    dtype: np.dtype
+    d: int
+    e: int
+    n: Optional[int] = None
+    m: Optional[int] = None
+    batch_size: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    def __str__(self):
+        dims = f"d={self.d}" if self.d == self.e else f"d={self.d}, e={self.e}"
+        return f"{dims} {self.dtype.name}"
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Tile sizes of a forward kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
+
+    variant names the family: "fma" is the CUDA-core kernel (any dtype; no load pipeline, stages=1); "mma" the
+    tensor-core kernel for float16/bfloat16 on compute capability 8.0+ (stages 2 or 3: BlockConfig.mma).
+
+    head_tile ("fma" only): the widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d
+    past it is swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256
+    for 16-bit types, 512 otherwise). A narrower tile lets large head dims fit a small shared memory."""
+
+    Br: int
+    Bc: int
+    warps: int = 4
+    stages: int = 1
+    variant: str = "fma"
+    head_tile: Optional[int] = None
+
+    @classmethod
+    def mma(cls, Br: int, Bc: int, warps: int = 4, stages: int = 2) -> "BlockConfig":
+        """A tensor-core configuration."""
+        return cls(Br, Bc, warps, stages, "mma")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def row_groups(self) -> int:
+        return self.threads // LANES_PER_ROW
+
+    def __str__(self):
+        if self.variant != "fma":
+            return f"({self.Br}, {self.Bc}, warps={self.warps}, stages={self.stages}, {self.variant})"
+        extra = "" if (self.warps, self.stages) == (4, 1) else f", warps={self.warps}" + (
+            "" if self.stages == 1 else f", stages={self.stages}")
+        if self.head_tile is not None:
+            extra += f", head_tile={self.head_tile}"
+        return f"({self.Br}, {self.Bc}{extra})"
+
+
+Reasons = List[str]
+
+
+@dataclass(frozen=True, repr=False)
+class Family:
+    """One kernel, described once. Functions take (shape, config) unless said otherwise.
+
+    variant: BlockConfig.variant of its configurations. title: how sentences name it. template: the kernel's
+    C++ name; source: its file in cuflash/kernels; shared_struct: the C struct its shared_memory_bytes mirrors.
+    eligibility(shape, device): why it cannot serve this dtype, these head dims or this device at all.
+    config_reasons(shape, config): why a configuration is malformed for it, whatever the device.
+    buckets: (D, E) of the instantiation. template_args(shape, config, split): the name expression's arguments.
+    column_width: the widest e one launch covers (wider e is split into column blocks).
+    candidates(shape): lists of configurations in preference order, tried list by list.
+    register_target: accumulator words a chosen configuration keeps at most; register_limit: past it, refused.
+    register_advice: what to change when over the limit."""
+
+    variant: str
+    title: str
+    template: str
+    source: str
+    shared_struct: str
+    eligibility: Callable[[Shape, DeviceLimits], Reasons]
+    config_reasons: Callable[[Shape, BlockConfig], Reasons]
+    buckets: Callable[[Shape, BlockConfig], Tuple[int, int]]
+    shared_memory_bytes: Callable[[Shape, BlockConfig], int]
+    accumulator_words: Callable[[Shape, BlockConfig], int]
+    registers_estimate: Callable[[Shape, BlockConfig], int]
+    template_args: Callable[[Shape, BlockConfig, bool], Sequence[object]]
+    column_width: Callable[[Shape, BlockConfig], int]
+    candidates: Callable[[Shape], Sequence[Sequence[BlockConfig]]]
+    register_target: int
+    register_limit: int
+    register_advice: str
+    stages: Tuple[int, ...] = field(default=(1,))
+
+    def __repr__(self):
+        return f"<the {self.title} kernel family {self.variant!r}>"
+
+    def name_expression(self, shape: Shape, config: BlockConfig, split: bool = False) -> str:
+        """The C++ name expression of the instantiation serving shape with config (split: the one writing
+        partial results in the accumulator type, for split keys)."""
+        return f"{self.template}<{', '.join(map(str, self.template_args(shape, config, split)))}>"
+
+    def column_blocks(self, shape: Shape, config: BlockConfig) -> Tuple[Tuple[int, int], ...]:
+        """The [e0, e1) column blocks of the output, one launch each (each recomputes the scores)."""
+        width = self.column_width(shape, config)
+        return tuple((e0, min(shape.e, e0 + width)) for e0 in range(0, shape.e, width)) or ((0, 0),)
+
+    def occupancy(self, shape: Shape, config: BlockConfig, device: DeviceLimits) -> int:
+        """Blocks that fit on one SM at once, limited by shared memory, threads, registers and the block count."""
+        smem = self.shared_memory_bytes(shape, config) + device.smem_reserved_per_block
+        regs = self.registers_estimate(shape, config) * config.threads
+        return max(0, min(device.max_blocks_per_sm, device.max_threads_per_sm // config.threads,
+                          device.regs_per_sm // regs, device.smem_per_sm // smem))
+
+    # ---- reasons ----------------------------------------------------------------------------------------------
+
+    def not_supported_reasons(self, shape: Shape, config: BlockConfig, device: DeviceLimits, *,
+                              suggest: bool = True) -> Reasons:
+        """Every reason `config` cannot run `shape` on `device`, each a sentence naming what was asked, the limit
+        and (suggest) a configuration of this family that fits. Empty: supported."""
+        reasons = self.eligibility(shape, device)
+        if reasons:
+            return reasons
+        reasons = self._config_reasons(shape, config) or self._resource_reasons(shape, config, device)
+        if reasons and suggest:
+            fit = self.first_fit(shape, device)
+            reasons[-1] += f"; {fit} fits" if fit else f"; no {self.title} configuration fits {shape} on {device.name}"
+        return reasons
+
+    def _config_reasons(self, shape: Shape, config: BlockConfig) -> Reasons:
+        if config.warps not in WARPS:
+            return [f"warps={config.warps} is not supported: the {self.title} kernel runs 1, 2, 4 or 8 warps per "
+                    f"block"]
+        reasons = self.config_reasons(shape, config)
+        if config.stages not in self.stages:
+            pipeline = ("has no load pipeline (stages=1)" if self.stages == (1,) else
+                        f"pipelines K/V in {' or '.join(map(str, self.stages))} stages")
+            reasons.append(f"stages={config.stages} is not supported: the {self.title} kernel {pipeline}")
+        return reasons
+
+    def _resource_reasons(self, shape: Shape, config: BlockConfig, device: DeviceLimits) -> Reasons:
+        what = f"block {config} for {shape}"
+        reasons = []
+        if config.threads > device.max_threads_per_block:
+            reasons.append(f"{what} runs {config.threads} threads; {device.name} allows {device.max_threads_per_block}")
+        smem = self.shared_memory_bytes(shape, config)
+        if smem > device.smem_per_block:
+            reasons.append(f"{what} needs {fmt_bytes(smem)} of shared memory; {device.name} allows "
+                           f"{fmt_bytes(device.smem_per_block)} per block")
+        words = self.accumulator_words(shape, config)
+        if words > self.register_limit:
+            reasons.append(f"{what} keeps {words} accumulator registers per thread, more than the "
+                           f"{self.register_limit} the kernel holds without spilling; {self.register_advice}")
+        return reasons
+
+    # ---- the heuristic within the family ----------------------------------------------------------------------
+
+    def runs(self, shape: Shape, config: BlockConfig, device: DeviceLimits) -> bool:
+        return not self.not_supported_reasons(shape, config, device, suggest=False)
+
+    def first_fit(self, shape: Shape, device: DeviceLimits) -> Optional[BlockConfig]:
+        """The first candidate within the register target that runs; failing that, the first that runs at all;
+        trying the candidate lists in order (None: none runs)."""
+        if self.eligibility(shape, device):
+            return None
+        for candidates in self.candidates(shape):
+            runs = [c for c in candidates if self.runs(shape, c, device)]
+            roomy = [c for c in runs if self.accumulator_words(shape, c) <= self.register_target]
+            if roomy or runs:
+                return (roomy or runs)[0]
+        return None
+
+    def with_warps(self, br: int, bc: int, shape: Shape, device: DeviceLimits) -> Optional[BlockConfig]:
+        """(Br, Bc) in this family with the first warp count that runs it (4, 8, 2, 1), or None."""
+        for warps in WARP_PREFERENCE:
+            config = BlockConfig(br, bc, warps, self.stages[0], self.variant)
+            if self.runs(shape, config, device):
+                return config
+        return None
