@@ -31,3 +31,19 @@ def test_readme_examples_run_and_are_right(monkeypatch):
     for q, k, v, kw, result in calls:
         out, lse = result if kw.get("return_lse") else (result, None)
         assert_accurate(out, q, k, v, lse=lse, **{key: kw[key] for key in OPTIONS if key in kw})
+
+
+def test_architecture_section_names_files_that_exist():
+    """Every file the architecture table names is in the package, and every module of the package is named."""
+    text = README.read_text()
+    section = text[text.index("## Architecture"):text.index("## Tests")]
+    root = pathlib.Path(cuflash.__file__).resolve().parent
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    named = {name for row in rows for name in re.findall(r"`([\w/]+(?:\.\w+)?)`", row.split("|")[1] + row.split("|")[2])
+             if "." in name or name.endswith("/")}
+    for name in named:
+        assert (root / name).exists() or (root / "kernels" / name).exists(), name
+    modules = {p.name for p in root.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    assert modules <= named, f"modules the table does not name: {sorted(modules - named)}"
+    headers = {p.name for p in (root / "kernels").glob("*.cuh")}
+    assert headers <= named, f"kernel files the table does not name: {sorted(headers - named)}"
