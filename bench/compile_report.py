@@ -2,7 +2,7 @@
 architecture (no GPU needed); ptxas's registers, spills and static shared memory beside the model's dynamic
 shared memory.
 
-    python bench/compile_report.py [--arch sm_80 ...] [--json out.json]
+    python -m bench.compile_report [--arch sm_80 ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cuflash import cudacore, kernels, nvrtc, tiling  # noqa: E402
-from cuflash.dtypes import FLOATS  # noqa: E402
-from cuflash.family import Shape  # noqa: E402
+from cuflash import cudacore, kernels, nvrtc, tiling
+from cuflash.dtypes import FLOATS
+from cuflash.family import Shape
 
 ARCH_DEVICES = {"sm_75": "T4", "sm_80": "A100", "sm_86": "A10", "sm_89": "L4", "sm_90": "H100"}
 HEAD_DIMS = (16, 64, 128, 256, 512)
@@ -73,7 +70,7 @@ def report(archs=tuple(ARCH_DEVICES), head_dims=HEAD_DIMS, workers=2):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.compile_report", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", choices=sorted(ARCH_DEVICES))
     parser.add_argument("--json")
     args = parser.parse_args()

@@ -116,8 +116,8 @@ steps() {
         record tests-ptx - 0 "skipped: $HARDWARE_TEST does not exist yet"
     fi
     step demo 30 "$PY" -m cuflash
-    step sweep 140 "$PY" bench/attention.py --preset short --time-limit 100 --out "$DIR/sweep"
-    step ncu 90 "$PY" bench/attention.py --ncu --ncu-timeout 40 --out "$DIR/ncu"
+    step sweep 140 "$PY" -m bench.attention --preset short --time-limit 100 --out "$DIR/sweep"
+    step ncu 90 "$PY" -m bench.attention --ncu --ncu-timeout 40 --out "$DIR/ncu"
 }
 
 if [ "$DRY" = 1 ]; then
@@ -129,7 +129,7 @@ fi
 mkdir -p "$DIR" || exit 1
 echo "device check into $DIR, at most $BUDGET s"
 if [ "${DEVICE_CHECK_ANYWAY:-0}" != 1 ] && ! nvidia-smi -L >/dev/null 2>&1 && ! "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() < 1)" >/dev/null 2>&1; then
-    note "no CUDA GPU here (nvidia-smi and CuPy see none): nothing was run; on a CPU use python bench/attention.py --tiny"
+    note "no CUDA GPU here (nvidia-smi and CuPy see none): nothing was run; on a CPU use python -m bench.attention --tiny"
     NO_GPU=1
 else
     NO_GPU=0

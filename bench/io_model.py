@@ -1,8 +1,8 @@
 """Print the seed's I/O and memory tables, ours beside them, and draw them as PNG plots.
 
-    python bench/io_model.py                  # tables, plots into bench/results/io_model/
-    python bench/io_model.py --no-plots       # tables only
-    python bench/io_model.py --tiny           # the CI mode: seconds, plots into a temporary folder
+    python -m bench.io_model                  # tables, plots into bench/results/io_model/
+    python -m bench.io_model --no-plots       # tables only
+    python -m bench.io_model --tiny           # the CI mode: seconds, plots into a temporary folder
 
 The seed's tables come out digit for digit as the seed printed them (its GB and MB are GiB and MiB).
 Our tables use the tiling Br x Bc that the planner (cuflash.tiling.choose) picks for the seed's setting
@@ -18,12 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from cuflash import cost, tiling  # noqa: E402
-from cuflash.family import Shape  # noqa: E402
+from cuflash import cost, tiling
+from cuflash.family import Shape
 
 HEADS, D, DTYPE_BYTES = cost.SEED_HEADS, cost.SEED_D, cost.SEED_DTYPE_BYTES
 MEMORY_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -308,7 +306,7 @@ def have_matplotlib() -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.io_model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help=f"folder for the PNG plots (default {DEFAULT_OUT}; "
                         "with --tiny a temporary folder)")
     parser.add_argument("--no-plots", action="store_true", help="print the tables only")

@@ -1,4 +1,4 @@
-"""bench/attention.py and bench/device_check.sh: the tiny CPU run end to end, the GPU path on NumPy posing as
+"""bench/attention/ and bench/device_check.sh: the tiny CPU run end to end, the GPU path on NumPy posing as
 CuPy, the bookkeeping of backends that cannot run, the ncu parsing, and the device script's dry run."""
 
 import datetime
@@ -14,22 +14,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.attention import peers, timing
+from bench.attention.accuracy import reference
+from bench.attention.devices import Cpu, Gpu
+from bench.attention.failures import Skip
+from bench.attention.inputs import InputSets
+from bench.attention.ncu import NCU_POINT, ncu_measure, ncu_models, parse_ncu_csv
+from bench.attention.peers import Runner, heuristic_plan, runners_for
+from bench.attention.plots import draw_plots
+from bench.attention.points import PRESETS, Point, Preset, decode
+from bench.attention.reports import plan_note, targets_table
+from bench.attention.sweep import SCHEMA, make_meta, measure, run_sweep
 from cuflash import cost
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "attention.py"
+COMMAND = [sys.executable, "-m", "bench.attention"]  # from ROOT, as the README runs it
 DEVICE_CHECK = ROOT / "bench" / "device_check.sh"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
 
 
 def run(cmd, **kw):
@@ -43,7 +43,7 @@ def run(cmd, **kw):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
-    done = run([sys.executable, str(SCRIPT), "--tiny", "--out", str(out)])
+    done = run([*COMMAND, "--tiny", "--out", str(out)])
     assert done.returncode == 0, done.stderr
     return out, done
 
@@ -51,17 +51,17 @@ def tiny(tmp_path_factory):
 def test_tiny_run_records_every_point(tiny):
     out, done = tiny
     results = json.loads((out / "results.json").read_text())
-    assert results["schema"] == bench.SCHEMA and results["mode"] == "cpu" and results["preset"] == "tiny"
+    assert results["schema"] == SCHEMA and results["mode"] == "cpu" and results["preset"] == "tiny"
     assert results["complete"] is True and results["wall_s"] > 0
-    assert results["command"].startswith("python bench/attention.py --tiny --out ")
+    assert results["command"].startswith("python -m bench.attention --tiny --out ")
     assert {"python", "numpy", "cpu", "git_commit"} <= set(results["env"])
     assert {"timing", "warmup", "repeats", "rotation", "flops", "peak_memory", "max_abs_err"} <= set(results["method"])
     assert results["peer"] == "naive-numpy"
     assert results["matmul_peak"]["float32"]["tflops"] > 0
 
-    assert len(results["points"]) == len(bench.PRESETS["tiny"].points)
+    assert len(results["points"]) == len(PRESETS["tiny"].points)
     for p in results["points"]:
-        point = bench.Point(**{k: p[k] for k in ("dtype", "batch", "heads", "n", "m", "d", "causal")})
+        point = Point(**{k: p[k] for k in ("dtype", "batch", "heads", "n", "m", "d", "causal")})
         assert p["flops"] == cost.flops(p["batch"] * p["heads"], p["n"], p["m"], p["d"], causal=p["causal"])
         assert p["input_sets"] >= 2, point
         assert [r["name"] for r in p["results"]] == ["cuflash", "cuflash[32x32]", "naive-numpy"]
@@ -80,12 +80,12 @@ def test_tiny_run_writes_a_markdown_table(tiny):
     out, _ = tiny
     text = (out / "results.md").read_text()
     assert text.startswith("# cuflash attention benchmark: tiny on ")
-    assert "`python bench/attention.py --tiny --out " in text
+    assert "`python -m bench.attention --tiny --out " in text
     header = ("| dtype | B×H | n | m | d | causal | backend | ms | GFLOP/s | of matmul | vs peer | peak MiB "
               "| max err | note |")
     assert header in text
     rows = [line for line in text.splitlines() if line.startswith("| float32 | ")]
-    assert len(rows) == 3 * len(bench.PRESETS["tiny"].points)
+    assert len(rows) == 3 * len(PRESETS["tiny"].points)
     assert "| float32 | 2×2 | 256 | 256 | 16 | yes | naive-numpy | " in text
 
 
@@ -99,12 +99,12 @@ def test_tiny_run_draws_plots(tiny):
 def test_without_matplotlib_the_plots_are_skipped_with_a_note(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     results = {"mode": "cpu", "preset": "tiny", "points": []}
-    assert bench.draw_plots(results, tmp_path) == []
+    assert draw_plots(results, tmp_path) == []
     assert results["notes"] == ["plots skipped: matplotlib is not installed"]
 
 
 def test_a_gpu_preset_without_a_gpu_says_so():
-    done = run([sys.executable, str(SCRIPT), "--preset", "fa2", "--cpu"])
+    done = run([*COMMAND, "--preset", "fa2", "--cpu"])
     assert done.returncode == 2
     assert "needs a CUDA GPU" in done.stderr
 
@@ -114,25 +114,25 @@ def test_a_gpu_preset_without_a_gpu_says_so():
 
 
 def test_fa2_preset_is_the_tensor_core_targets():
-    points = bench.PRESETS["fa2"].points
+    points = PRESETS["fa2"].points
     assert {p.dtype for p in points} == {"float16", "bfloat16"}
     assert {p.d for p in points} == {64, 128}
     assert sorted({p.n for p in points}) == [1024, 2048, 4096, 8192, 16384]
     assert {p.causal for p in points} == {False, True}
     for p in points:
         assert p.m == p.n and p.batch * p.n == 16384 and p.heads * p.d == 2048
-    dense = bench.Point("float16", 2, 16, 8192, 8192, 128, False)
+    dense = Point("float16", 2, 16, 8192, 8192, 128, False)
     assert dense.flops() == 4 * 2 * 16 * 8192 * 8192 * 128
 
 
 def test_presets_cover_the_sweep():
-    for name, preset in bench.PRESETS.items():
+    for name, preset in PRESETS.items():
         assert preset.points and preset.repeats >= 3 and preset.warmup >= 1, name
         assert preset.gpu == (name in ("fa2", "sweep", "short")), name
-    sweep = bench.PRESETS["sweep"].points
+    sweep = PRESETS["sweep"].points
     assert any(p.m > p.n for p in sweep) and any(p.m < p.n for p in sweep)
     assert {"float16", "bfloat16", "float32"} <= {p.dtype for p in sweep}
-    short = bench.PRESETS["short"].points
+    short = PRESETS["short"].points
     assert len(short) <= 10 and any(p.causal for p in short) and any(p.m != p.n for p in short)
 
 
@@ -144,29 +144,29 @@ def failing_runner(exc):
     def prepare(dev, point, sets):
         raise exc
 
-    return bench.Runner("broken", "test", "x", prepare)
+    return Runner("broken", "test", "x", prepare)
 
 
 @pytest.mark.parametrize("exc, status", [
-    (bench.Skip("PyTorch is not installed"), "skipped"),
+    (Skip("PyTorch is not installed"), "skipped"),
     (RuntimeError("No available kernel. Aborting execution."), "skipped"),
     (type("BackendUnavailableError", (RuntimeError,), {})("no cupy backend"), "skipped"),
     (ZeroDivisionError("a bug"), "error"),
 ])
 def test_a_failing_backend_is_recorded_with_its_reason(exc, status):
-    dev, point = bench.Cpu(), bench.Point("float32", 1, 2, 8, 8, 4, False)
-    sets = bench.InputSets(dev, point, 2)
-    rec = bench.measure(dev, failing_runner(exc), point, sets, bench.PRESETS["tiny"], bench.reference(sets, point))
+    dev, point = Cpu(), Point("float32", 1, 2, 8, 8, 4, False)
+    sets = InputSets(dev, point, 2)
+    rec = measure(dev, failing_runner(exc), point, sets, PRESETS["tiny"], reference(sets, point))
     assert rec["status"] == status
     assert str(exc) in rec["reason"]
     assert "time_ms" not in rec
 
 
 def test_points_after_the_time_limit_are_skipped(tmp_path):
-    dev, preset = bench.Cpu(), bench.PRESETS["tiny"]
-    runners = bench.runners_for(dev, (), [])
-    meta = bench.make_meta(dev, "tiny", preset, "test", datetime.datetime.now())
-    results = bench.run_sweep(dev, preset, list(preset.points[:2]), runners, tmp_path, meta, time_limit=0.0)
+    dev, preset = Cpu(), PRESETS["tiny"]
+    runners = runners_for(dev, (), [])
+    meta = make_meta(dev, "tiny", preset, "test", datetime.datetime.now())
+    results = run_sweep(dev, preset, list(preset.points[:2]), runners, tmp_path, meta, time_limit=0.0)
     first, second = results["points"]
     assert all(r["status"] == "ok" for r in first["results"])
     assert all(r["status"] == "skipped" and "time-limit" in r["reason"] for r in second["results"])
@@ -209,22 +209,23 @@ def fake_cupy():
 
 
 def no_torch(dev):
-    raise bench.Skip("PyTorch is not installed")
+    raise Skip("PyTorch is not installed")
 
 
 def test_the_gpu_path_runs_every_backend_or_says_why(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
-    monkeypatch.setattr(bench, "import_torch", no_torch)  # the same answer on every machine
+    for module in (peers, timing):
+        monkeypatch.setattr(module, "import_torch", no_torch)  # the same answer on every machine
     monkeypatch.setitem(sys.modules, "torch", None)  # and no seconds spent importing it for the versions
-    dev = bench.Gpu()
-    points = (bench.Point("float16", 2, 2, 32, 32, 16, False), bench.Point("float16", 2, 2, 32, 64, 16, True),
-              bench.Point("bfloat16", 1, 2, 32, 32, 16, True))
-    preset = bench.Preset(points, ((32, 32),), True, 1, 3, 64, budget_s=0.1)
-    runners = bench.runners_for(dev, preset.blocks, [])
+    dev = Gpu()
+    points = (Point("float16", 2, 2, 32, 32, 16, False), Point("float16", 2, 2, 32, 64, 16, True),
+              Point("bfloat16", 1, 2, 32, 32, 16, True))
+    preset = Preset(points, ((32, 32),), True, 1, 3, 64, budget_s=0.1)
+    runners = runners_for(dev, preset.blocks, [])
     assert [r.name for r in runners] == ["cuflash", "cuflash[32x32]", "naive-cupy", "torch-flash",
                                          "torch-efficient", "torch-cudnn", "torch-math"]
-    meta = bench.make_meta(dev, "fake", preset, "test", datetime.datetime.now())
-    results = bench.run_sweep(dev, preset, list(points), runners, tmp_path, meta, None)
+    meta = make_meta(dev, "fake", preset, "test", datetime.datetime.now())
+    results = run_sweep(dev, preset, list(points), runners, tmp_path, meta, None)
 
     assert results["env"]["gpu"] == "Fake GPU" and results["env"]["cuda_runtime"] == "13.0"
     assert results["peer"] == "torch-flash"
@@ -251,7 +252,7 @@ def test_the_targets_table_compares_cuflash_with_the_target_and_the_peer():
                     "time_ms": 1 / peer_tflops}]
         return dict(dtype="float16", batch=16384 // n, heads=16, n=n, m=n, d=128, causal=causal, results=results)
 
-    lines = bench.targets_table([point(4096, False, 400.0, 390.0), point(4096, False, 380.0, 390.0),
+    lines = targets_table([point(4096, False, 400.0, 390.0), point(4096, False, 380.0, 390.0),
                                  point(1024, True, 100.0, 90.0), point(8192, True, 310.0, 300.0)])
     rows = lines[3:]
     assert len(rows) == 3  # causal at n < 8k has no target
@@ -262,12 +263,12 @@ def test_the_targets_table_compares_cuflash_with_the_target_and_the_peer():
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not a dependency of cuflash")
 def test_torch_sdpa_runs_through_dlpack_on_the_cpu(tmp_path):
-    dev = bench.Cpu()
-    points = (bench.Point("float32", 1, 2, 32, 32, 16, False), bench.Point("float32", 1, 2, 16, 48, 16, True))
-    preset = bench.Preset(points, (), False, 1, 3, 64, budget_s=0.1)
-    runners = bench.runners_for(dev, (), ["naive", "torch-math"])
-    meta = bench.make_meta(dev, "torch", preset, "test", datetime.datetime.now())
-    results = bench.run_sweep(dev, preset, list(points), runners, tmp_path, meta, None)
+    dev = Cpu()
+    points = (Point("float32", 1, 2, 32, 32, 16, False), Point("float32", 1, 2, 16, 48, 16, True))
+    preset = Preset(points, (), False, 1, 3, 64, budget_s=0.1)
+    runners = runners_for(dev, (), ["naive", "torch-math"])
+    meta = make_meta(dev, "torch", preset, "test", datetime.datetime.now())
+    results = run_sweep(dev, preset, list(points), runners, tmp_path, meta, None)
     for p in results["points"]:
         math_ = next(r for r in p["results"] if r["name"] == "torch-math")
         assert math_["status"] == "ok" and math_["max_abs_err"] < 1e-5, math_  # bottom-right causal for n != m
@@ -289,18 +290,18 @@ NCU_CSV = '''==PROF== Connected to process 123 (python)
 
 
 def test_ncu_csv_is_summed_over_kernels():
-    found = bench.parse_ncu_csv(NCU_CSV)
+    found = parse_ncu_csv(NCU_CSV)
     assert found["kernels"] == 2
     assert found["dram__bytes_read.sum"] == 1048576 + 2.5e6
     assert found["dram__bytes_write.sum"] == 4096
     assert found["total"] == 1048576 + 2.5e6 + 4096
     with pytest.raises(ValueError):
-        bench.parse_ncu_csv("==ERROR== ERR_NVGPUCTRPERM")
+        parse_ncu_csv("==ERROR== ERR_NVGPUCTRPERM")
 
 
 def test_ncu_models_come_from_cost():
-    p = bench.NCU_POINT
-    models = bench.ncu_models(p, (128, 64))
+    p = NCU_POINT
+    models = ncu_models(p, (128, 64))
     bh = p.batch * p.heads
     assert models["cuflash"]["model"] == cost.kernel_traffic(bh, p.n, p.m, p.d, Br=128, Bc=64, lse=False).total
     assert models["cuflash"]["lower_bound"] < models["cuflash"]["model"] < models["naive"]["seed_model"]
@@ -309,7 +310,7 @@ def test_ncu_models_come_from_cost():
 
 def test_ncu_without_ncu_reports_why(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert bench.ncu_measure(tmp_path / "ncu", timeout=5) == 1
+    assert ncu_measure(tmp_path / "ncu", timeout=5) == 1
     report = json.loads((tmp_path / "ncu" / "ncu.json").read_text())
     assert all(e["error"] == "ncu is not on PATH" for e in report["problems"].values())
     assert "measured by ncu beside the model" in (tmp_path / "ncu" / "ncu.md").read_text()
@@ -349,9 +350,9 @@ def test_the_planners_choice_is_recorded_per_point(monkeypatch):
     from cuflash import tiling
     h100 = tiling.DeviceLimits.known("H100")
     monkeypatch.setattr(tiling.DeviceLimits, "of", classmethod(lambda cls, device=None: h100))
-    decoding = bench.decode("float16", 128, (32768,))[0]
-    assert bench.heuristic_plan(decoding) == ((8, 32), 8)  # 16 heads: 16 blocks, 8 splits in one wave
-    assert bench.heuristic_plan(bench.PRESETS["fa2"].points[0]) == ((128, 64), 1)
-    assert bench.plan_note({"block": (8, 32), "splits": 8}) == "8x32, 8 splits"
-    assert bench.plan_note({"block": (128, 64), "splits": 1}) == "128x64"
-    assert bench.plan_note({"block": None}) == ""
+    decoding = decode("float16", 128, (32768,))[0]
+    assert heuristic_plan(decoding) == ((8, 32), 8)  # 16 heads: 16 blocks, 8 splits in one wave
+    assert heuristic_plan(PRESETS["fa2"].points[0]) == ((128, 64), 1)
+    assert plan_note({"block": (8, 32), "splits": 8}) == "8x32, 8 splits"
+    assert plan_note({"block": (128, 64), "splits": 1}) == "128x64"
+    assert plan_note({"block": None}) == ""

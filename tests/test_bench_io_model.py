@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import io_model
 from cuflash import tiling
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "io_model.py"
 
 # The seed document's printed output, copied as it stands (its GB and MB are GiB and MiB).
 SEED_OUTPUT = """\
@@ -70,16 +70,9 @@ Criteria: largest block that fits SRAM → highest arithmetic intensity
 """
 
 
-def load_io_model():
-    spec = importlib.util.spec_from_file_location("io_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def run_script(*args):
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, encoding="utf-8",
-                          timeout=120, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", "bench.io_model", *args], capture_output=True, text=True,
+                          encoding="utf-8", timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -89,11 +82,11 @@ def have_matplotlib():
 
 
 def test_seed_tables_verbatim():
-    assert load_io_model().seed_tables() == SEED_OUTPUT.rstrip("\n")
+    assert io_model.seed_tables() == SEED_OUTPUT.rstrip("\n")
 
 
 def test_our_tables_say_where_the_seed_differs():
-    text = load_io_model().our_tables(128, 64)
+    text = io_model.our_tables(128, 64)
     assert "   4,096       0.125          2.062       0.125       2.063         1.094   32 / 16.5" in text
     block_128 = "   128     129.0" + "".join(f"{x:>14}" for x in ("NO", "NO", "yes", "NO", "NO", "yes"))
     assert block_128 in text  # V100, T4, A100, A10, L4, H100
@@ -101,7 +94,6 @@ def test_our_tables_say_where_the_seed_differs():
 
 
 def test_our_tables_use_the_planners_tiling():
-    io_model = load_io_model()
     table = io_model.planner_table()
     for device in tiling.KNOWN:
         config = tiling.choose(io_model.SEED_SHAPE, device)
@@ -131,7 +123,6 @@ def test_tiny_run_draws_the_plots(tmp_path):
 
 
 def test_without_matplotlib_plots_are_skipped_unless_asked(monkeypatch, tmp_path, capsys):
-    io_model = load_io_model()
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert io_model.main(["--tiny"]) == 0
     assert "matplotlib is not installed" in capsys.readouterr().out

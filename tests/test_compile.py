@@ -2,9 +2,6 @@
 sm_90 with no spills and no static shared memory, and the kernel's shared-memory layout equals the Python model
 (static_asserts the compiler evaluates). Needs CuPy's NVRTC binding and the CUDA fp16 headers."""
 
-import os
-import sys
-
 import pytest
 
 from cuflash import cudacore, nvrtc, tiling
@@ -25,8 +22,6 @@ def _nvrtc_ready():
 
 pytestmark = pytest.mark.skipif(_nvrtc_ready() is not None, reason=str(_nvrtc_ready()))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
-
 
 def test_shared_memory_layout_equals_the_model():
     expected = {}
@@ -43,7 +38,7 @@ def test_shared_memory_layout_equals_the_model():
 
 
 def test_chosen_instantiations_compile_without_spills():
-    import compile_report
+    from bench import compile_report
 
     rows = compile_report.report(head_dims=(64, 256))
     assert {row[0] for row in rows} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
