@@ -164,7 +164,7 @@ MUTANTS = (
     m("ldmatrix-twin-trans", "cuflash/kernels/ptx.cuh",
       [("unsigned lo = Trans ? M[j][col][row] : M[j][row][col];", "unsigned lo = M[j][row][col];")], [PTX],
       "ldmatrix .trans delivers the untransposed low half"),
-    m("shfl-xor-twin", "cuflash/simt/cuflash_simt.h",
+    m("shfl-xor-twin", "cuflash/simt/runtime/collectives.h",
       [("default: j = lane ^ (b & 31); ok = j <= max_lane; break;",
         "default: j = lane ^ (b & 15); ok = j <= max_lane; break;")], ["tests/simt/test_simt_basics.py"],
       "__shfl_xor_sync ignores the lane mask's top bit"),

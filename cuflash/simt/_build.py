@@ -89,10 +89,15 @@ def flags_for(mode: str, options) -> list[str]:
     return _COMMON_FLAGS + _MODE_FLAGS[mode] + ["-I" + str(HERE)] + (["-DCUFLASH_SIMT_FTZ"] if ftz else []) + user
 
 
+def runtime_headers() -> list[Path]:
+    """Every header the build can reach through -I HERE: cuflash_simt.h, its parts under runtime/, the stand-ins."""
+    return sorted(p for p in HERE.rglob("*") if p.suffix in (".h", ".hpp") and p.is_file())
+
+
 def _runtime_digest() -> str:
     h = hashlib.sha256()
-    for p in sorted(HERE.glob("*.h")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    for p in runtime_headers():  # names relative to HERE: a moved part is a change too
+        h.update(p.relative_to(HERE).as_posix().encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
 
 

@@ -263,6 +263,29 @@ def test_build_cache_and_options(tmp_path, monkeypatch):
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".build-")]  # no half-written leftovers
 
 
+def test_every_runtime_part_is_in_the_build_key_and_the_package(tmp_path, monkeypatch):
+    """cuflash_simt.h includes its parts from runtime/: each is hashed into the build cache's key (an edited part
+    rebuilds, never runs stale) and shipped by the package data."""
+    from cuflash.simt import _build
+    here, headers = _build.HERE, _build.runtime_headers()
+    parts = re.findall(r'^#include "([^"]+)"', (here / "cuflash_simt.h").read_text(), flags=re.M)
+    assert len(parts) > 10 and {here / p for p in parts} <= set(headers)
+    copy = tmp_path / "simt"
+    for p in headers:
+        (copy / p.relative_to(here)).parent.mkdir(parents=True, exist_ok=True)
+        (copy / p.relative_to(here)).write_bytes(p.read_bytes())
+    monkeypatch.setattr(_build, "HERE", copy)
+    before = _build._runtime_digest()
+    part = copy / "runtime" / "half.h"
+    part.write_text(part.read_text() + "// edited\n")
+    assert _build._runtime_digest() != before
+    tomllib = pytest.importorskip("tomllib")
+    setup = tomllib.loads((simt_util.ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = {p for package, patterns in setup["package-data"].items() if package in setup["packages"]
+               for pattern in patterns for p in (simt_util.ROOT / package.replace(".", "/")).glob(pattern)}
+    assert set(headers) <= shipped
+
+
 def test_idle_fiber_stacks_of_modules_not_launched_lately_are_unmapped(tmp_path, monkeypatch):
     """Each module keeps a pool of fiber stacks (two memory mappings each); only the last KEEP_STACKS modules
     launched keep theirs, so a process that loads hundreds of modules stays far from vm.max_map_count. A module
