@@ -1,5 +1,6 @@
 """The assembled kernel source carries #line directives: every report (g++'s and NVRTC's errors, the emulator's
-source errors, AddressSanitizer's reports) names the true file, cuflash/kernels/NAME, and its line."""
+source errors and runtime messages, AddressSanitizer's reports) names the true file, cuflash/kernels/NAME, and its
+line."""
 
 import os
 import re
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cuflash import kernels, simt, tiling
@@ -69,6 +71,35 @@ def test_emulator_source_errors_name_the_true_line():
     line = line_of("forward.cuh", declaration)
     with pytest.raises(_source.SourceError, match=rf"^cuflash/kernels/forward\.cuh:{line}: cannot read this extern"):
         _source.rewrite(source, "forward.cuh")
+
+
+# Project helpers misused from a probe kernel: the emulator's message must name the line inside the helper.
+MISUSE_PROBE = '''
+#line 1 "misuse_probe.cu"
+extern "C" __global__ void misuse_probe(const __half* g, float* out, int which) {
+  if (which == 0 && threadIdx.x < 16) out[threadIdx.x] = cuflash::mma::quad_max(1.f);  // half a warp
+  if (which == 1)  // a "shared" tile in global memory
+    cuflash::mma::load_tile_async<__half, 16, 16, 32>(reinterpret_cast<__half*>(out), g, 16, 1, 16, 16, true);
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def misuse_probe():
+    return simt.RawModule(code=launch.source() + MISUSE_PROBE, filename="forward_mma.cuh")
+
+
+@pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
+@pytest.mark.parametrize("which,file,text,words", [
+    (0, "mma_tile.cuh", "x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));", "lanes 0-15 wait at __shfl_xor_sync"),
+    (1, "mma_tile.cuh", "ptx::cp_async_cg16(to, from, valid * (int)sizeof(T));", "is not 16 bytes of this block's"),
+])
+def test_emulator_messages_name_the_true_file_and_line_of_a_kernel_helper(misuse_probe, which, file, text, words):
+    g, out = np.zeros(16 * 16, np.float16), np.zeros(32 * 16, np.float32)
+    with pytest.raises(simt.LaunchError, match=words) as error:
+        misuse_probe.get_function("misuse_probe")((1,), (32,), (g, out, np.int32(which)))
+    where = rf"\(cuflash/kernels/{re.escape(file)}:{line_of(file, text)}\b"
+    assert re.search(where, str(error.value)), str(error.value)
 
 
 @pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))

@@ -9,10 +9,10 @@
 #define CUFLASH_PTX_CUH
 
 #if defined(__CUDA_ARCH__)
-#define CUFLASH_PTX_LINE
+#define CUFLASH_PTX_CALLER
 #else
-// The emulator's twins take the caller's line (for messages) as a defaulted trailing argument.
-#define CUFLASH_PTX_LINE , int line = __builtin_LINE()
+// The emulator's twins take the caller's file and line (for messages) as defaulted trailing arguments.
+#define CUFLASH_PTX_CALLER , const char* file = __builtin_FILE(), int line = __builtin_LINE()
 #endif
 
 namespace cuflash {
@@ -85,26 +85,28 @@ template <Kind K> inline void run_mma(void* const* lanes, unsigned) {
 }
 
 template <Kind K> inline void mma(float* d, const unsigned* a, const unsigned* b, const float* c, const char* name,
-                                  int line) {
+                                  const char* file, int line) {
   static const ::cuflash_simt::Collective op{name, run_mma<K>};
   MmaLane me{d, a, b, c};
-  ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, line);
+  ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, file, line);
 }
 
 // ldmatrix: lane 8j + r gives the address of row r of matrix j; register j of lane L receives row L/4, 32-bit
 // word L%4 (columns 2(L%4), 2(L%4)+1) of matrix j, or with .trans that place of the transposed matrix.
-struct LdmLane { const void* row; unsigned* r; };
+struct LdmLane { const void* row; unsigned* r; const char* file; int line; };  // row first: race mode reads it
 template <int N, bool Trans> inline void run_ldmatrix(void* const* lanes, unsigned) {
   const ::cuflash_simt::Block& blk = *::cuflash_simt::tl.block;
   unsigned short M[4][8][8];
   for (int j = 0; j < N; j++)
     for (int r = 0; r < 8; r++) {
-      const void* p = ((const LdmLane*)lanes[8 * j + r])->row;
+      const LdmLane& L = *(const LdmLane*)lanes[8 * j + r];
+      const void* p = L.row;
       if ((unsigned long long)p % 16)
-        ::cuflash_simt::fail_here("ldmatrix: lane %d's row address %p is not 16-byte aligned", 8 * j + r, p);
+        ::cuflash_simt::fail_here("ldmatrix (%s:%d): lane %d's row address %p is not 16-byte aligned", L.file,
+                                  L.line, 8 * j + r, p);
       if (!::cuflash_simt::in_shared(blk, p, 16))
-        ::cuflash_simt::fail_here("ldmatrix: lane %d's row address %p is not in this block's shared memory",
-                                  8 * j + r, p);
+        ::cuflash_simt::fail_here("ldmatrix (%s:%d): lane %d's row address %p is not in this block's shared memory",
+                                  L.file, L.line, 8 * j + r, p);
       std::memcpy(M[j][r], p, 16);
     }
   for (int lane = 0; lane < 32; lane++) {
@@ -117,13 +119,13 @@ template <int N, bool Trans> inline void run_ldmatrix(void* const* lanes, unsign
     }
   }
 }
-template <int N, bool Trans> inline void ldmatrix(unsigned* r, const void* row, int line) {
+template <int N, bool Trans> inline void ldmatrix(unsigned* r, const void* row, const char* file, int line) {
   static const char* names[2][5] = {
       {"", "ldmatrix.x1", "ldmatrix.x2", "", "ldmatrix.x4"},
       {"", "ldmatrix.x1.trans", "ldmatrix.x2.trans", "", "ldmatrix.x4.trans"}};
   static const ::cuflash_simt::Collective op{names[Trans][N], run_ldmatrix<N, Trans>};
-  LdmLane me{row, r};
-  ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, line);
+  LdmLane me{row, r, file, line};
+  ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, file, line);
 }
 
 }  // namespace twin
@@ -133,7 +135,7 @@ template <int N, bool Trans> inline void ldmatrix(unsigned* r, const void* row, 
 // m16n8k16, f16 or bf16 inputs. A: a[r] holds (row g + 8(r&1), cols 2t + 8(r>>1) + {0,1}); B: b[r] holds
 // (rows 2t + 8r + {0,1}, col g); C/D: c[e] is (row g + 8(e>>1), col 2t + (e&1)).
 __device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                                 const float (&c)[4] CUFLASH_PTX_LINE) {
+                                                 const float (&c)[4] CUFLASH_PTX_CALLER) {
 #if defined(__CUDA_ARCH__)
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
@@ -141,12 +143,12 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
-  twin::mma<twin::F16_K16>(d, a, b, c, "mma.m16n8k16.f16", line);
+  twin::mma<twin::F16_K16>(d, a, b, c, "mma.m16n8k16.f16", file, line);
 #endif
 }
 
 __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                                  const float (&c)[4] CUFLASH_PTX_LINE) {
+                                                  const float (&c)[4] CUFLASH_PTX_CALLER) {
 #if defined(__CUDA_ARCH__)
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
@@ -154,27 +156,27 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
-  twin::mma<twin::BF16_K16>(d, a, b, c, "mma.m16n8k16.bf16", line);
+  twin::mma<twin::BF16_K16>(d, a, b, c, "mma.m16n8k16.bf16", file, line);
 #endif
 }
 
 // m16n8k8, f16 inputs. A: a[r] holds (row g + 8r, cols 2t + {0,1}); B: b[0] holds (rows 2t + {0,1}, col g).
 __device__ __forceinline__ void mma_m16n8k8_f16(float (&d)[4], const unsigned (&a)[2], const unsigned (&b)[1],
-                                                const float (&c)[4] CUFLASH_PTX_LINE) {
+                                                const float (&c)[4] CUFLASH_PTX_CALLER) {
 #if defined(__CUDA_ARCH__)
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
-  twin::mma<twin::F16_K8>(d, a, b, c, "mma.m16n8k8.f16", line);
+  twin::mma<twin::F16_K8>(d, a, b, c, "mma.m16n8k8.f16", file, line);
 #endif
 }
 
 // m16n8k8, tf32 inputs (f32 bit patterns; the low 13 mantissa bits are ignored). A: a[r] is (row g + 8(r&1),
 // col t + 4(r>>1)); B: b[r] is (row t + 4r, col g).
 __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                                 const float (&c)[4] CUFLASH_PTX_LINE) {
+                                                 const float (&c)[4] CUFLASH_PTX_CALLER) {
 #if defined(__CUDA_ARCH__)
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
@@ -182,7 +184,7 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
-  twin::mma<twin::TF32_K8>(d, a, b, c, "mma.m16n8k8.tf32", line);
+  twin::mma<twin::TF32_K8>(d, a, b, c, "mma.m16n8k8.tf32", file, line);
 #endif
 }
 
@@ -197,8 +199,8 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (
   }
 #else
 #define CUFLASH_LDMATRIX(NAME, N, TRANS, PTX, OUTS)                                                       \
-  __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* smem_row CUFLASH_PTX_LINE) {       \
-    twin::ldmatrix<N, TRANS>(r, smem_row, line);                                                          \
+  __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* smem_row CUFLASH_PTX_CALLER) {     \
+    twin::ldmatrix<N, TRANS>(r, smem_row, file, line);                                                    \
   }
 #endif
 #define CUFLASH_OUT1 "=r"(r[0])
@@ -232,8 +234,8 @@ CUFLASH_LDMATRIX(ldmatrix_x4_trans, 4, true,
   }
 #else
 #define CUFLASH_CP_ASYNC(NAME, CACHE, BYTES)                                                               \
-  __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES CUFLASH_PTX_LINE) { \
-    ::cuflash_simt::cp_async(smem, gmem, BYTES, src_bytes, line);                                         \
+  __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES CUFLASH_PTX_CALLER) { \
+    ::cuflash_simt::cp_async(smem, gmem, BYTES, src_bytes, file, line);                                    \
   }
 #endif
 CUFLASH_CP_ASYNC(cp_async_ca4, "ca", 4)

@@ -217,7 +217,8 @@ def rewrite(src: str, filename: str = "kernel.cu") -> tuple[str, list[str]]:
             for piece in _split_top(decl):
                 name = _declarator_name(piece)
                 if name:
-                    calls.append(f" ::cuflash_simt::shared_fresh(&{name}, sizeof({name}), {line});")
+                    # __FILE__ is the file the source's #line directives name, as the runtime's messages give it
+                    calls.append(f" ::cuflash_simt::shared_fresh(&{name}, sizeof({name}), __FILE__, {line});")
             edits.append((end + 1, end + 1, "".join(calls)))
     out, at = [], 0
     for start, stop, text in sorted(edits):

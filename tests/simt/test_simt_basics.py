@@ -140,16 +140,21 @@ def test_missing_barrier_is_caught_by_some_schedule(mod):
     assert len(wrong[0]) == 2 and len(wrong[1]) == 254  # forward: only thread 0 reads ahead; reverse: all but 127
 
 
+def at(marker):
+    """The file:line the messages give the marked line of basics.cu."""
+    return simt_util.site("basics.cu", marker)
+
+
 @pytest.mark.parametrize("which,words", [
-    (0, ["barrier divergence", re.compile(r"block \([01],0,0\)"), "line"]),  # both blocks fail; either reports
-    (1, ["exit", "__syncthreads()", "threads 0-47"]),
-    (2, ["__shfl_xor_sync", "mask 0xffffffff", "lanes 0-15"]),
-    (3, ["does not include the calling lane"]),
+    (0, ["barrier divergence", re.compile(r"block \([01],0,0\)"), at("DIVERGE_A"), at("DIVERGE_B")]),  # either block
+    (1, ["exit", "__syncthreads()", "threads 0-47", at("EXIT_BARRIER")]),
+    (2, ["__shfl_xor_sync", "mask 0xffffffff", "lanes 0-15", at("HALF_WARP_SHFL")]),
+    (3, ["does not include the calling lane", at("MASK_WITHOUT_CALLER")]),
     (4, ["__trap()", "thread (5,0,0)"]),
-    (5, ["assertion", "t != 7", "thread (7,0,0)"]),
-    (6, ["deadlock", "__shfl_sync", "__syncthreads()"]),
+    (5, ["assertion", "t != 7", "thread (7,0,0)", at("ASSERT")]),
+    (6, ["deadlock", "__shfl_sync", "__syncthreads()", at("DEADLOCK_SHFL"), at("DEADLOCK_BARRIER")]),
 ])
-def test_misuse_is_a_launch_error_naming_kernel_block_and_threads(mod, which, words):
+def test_misuse_is_a_launch_error_naming_kernel_block_threads_file_and_line(mod, which, words):
     out = np.zeros(64, np.float32)
     with pytest.raises(simt.LaunchError) as e:
         mod.get_function("misuse")((2,), (64,), (out, np.int32(which)))
@@ -157,6 +162,16 @@ def test_misuse_is_a_launch_error_naming_kernel_block_and_threads(mod, which, wo
     assert "kernel 'misuse'" in msg
     for w in words:
         assert (w.search(msg) if isinstance(w, re.Pattern) else w in msg), msg
+
+
+def test_barriers_on_the_same_line_of_two_files_are_two_barriers():
+    src = ('#line 10 "a.cu"\n__device__ void bar_a() { __syncthreads(); }\n'
+           '#line 10 "b.cu"\n__device__ void bar_b() { __syncthreads(); }\n'
+           '#line 1 "k.cu"\nextern "C" __global__ void k(float* out) {\n'
+           '  if (threadIdx.x < 32) bar_a(); else bar_b();\n  out[threadIdx.x] = 1;\n}\n')
+    with pytest.raises(simt.LaunchError, match="barrier divergence") as e:
+        simt.RawModule(code=src).get_function("k")((1,), (64,), (np.zeros(64, np.float32),))
+    assert "a.cu:10" in str(e.value) and "b.cu:10" in str(e.value), str(e.value)
 
 
 def test_launch_after_a_failed_one_still_works(mod):
@@ -186,8 +201,9 @@ def test_dynamic_shared_memory_and_its_limits(mod):
 def test_static_plus_dynamic_shared_over_the_device_limit(mod):
     fn = mod.get_function("read_fresh_shared")  # 256 bytes of static shared memory
     fn.max_dynamic_shared_size_bytes = simt.H100_SHARED
-    with pytest.raises(simt.LaunchError, match="static"):
+    with pytest.raises(simt.LaunchError, match="static") as e:
         fn((1,), (64,), (np.zeros(128, np.float32),), shared_mem=simt.H100_SHARED)
+    assert at("FRESH_STATIC").search(str(e.value)), str(e.value)  # the __shared__ declaration's file:line
 
 
 def test_atomics_across_workers(mod):

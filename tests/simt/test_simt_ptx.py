@@ -87,11 +87,12 @@ def test_cp_async_lands_at_the_wait_only(mod, src_bytes):
     (2, 32, "aligned to the copy size"), (3, 32, "not 16 bytes of this block's shared memory"),
     (4, 32, "ldmatrix.x2"), (5, 16, "do not exist"),
 ])
-def test_ptx_misuse_is_reported(which, block, words):
+def test_ptx_misuse_is_reported_with_its_file_and_line(which, block, words):
     mod = simt_util.module("ptx_misuse.cu", (), with_ptx=True)
     g, out = np.zeros(512, np.uint16), np.zeros(32, np.float32)
-    with pytest.raises(simt.LaunchError, match=words):
+    with pytest.raises(simt.LaunchError, match=words) as e:
         mod.get_function("ptx_misuse")((1,), (block,), (g, out, np.int32(which)))
+    assert simt_util.site("ptx_misuse.cu", f"MISUSE_{which}", with_ptx=True).search(str(e.value)), str(e.value)
 
 
 def _nvrtc_include():

@@ -43,10 +43,10 @@ def test_static_shared_declarations_become_per_block_and_poisoned():
     out, _ = _source.rewrite(SRC)
     line = out.splitlines()[7]
     assert line.startswith("  CUFLASH_SIMT_SHARED __align__(16) float a[N][4], b[N];")
-    assert "shared_fresh(&a, sizeof(a), 8);" in line and "shared_fresh(&b, sizeof(b), 8);" in line
+    assert "shared_fresh(&a, sizeof(a), __FILE__, 8);" in line and "shared_fresh(&b, sizeof(b), __FILE__, 8);" in line
     assert "static __shared__" not in out and "CUFLASH_SIMT_SHARED Tile t" in out
-    assert "shared_fresh(&t, sizeof(t), 9);" in out.splitlines()[9]
-    assert "shared_fresh(&q, sizeof(q), 17);" in out
+    assert "shared_fresh(&t, sizeof(t), __FILE__, 9);" in out.splitlines()[9]
+    assert "shared_fresh(&q, sizeof(q), __FILE__, 17);" in out
 
 
 def test_extern_shared_becomes_the_dynamic_buffer():

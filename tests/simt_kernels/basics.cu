@@ -84,7 +84,7 @@ extern "C" __global__ void coords(int* out) {
 
 // Shared memory read before it is written: static and dynamic arrays start as NaN in every block.
 extern "C" __global__ void read_fresh_shared(float* out) {
-  __shared__ float s[64];
+  __shared__ float s[64];  // FRESH_STATIC
   extern __shared__ float dyn[];
   int t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
   out[2 * i] = s[t];
@@ -109,22 +109,22 @@ extern "C" __global__ void misuse(float* out, int which) {
   int t = threadIdx.x, lane = t % 32;
   s[t] = t;
   if (which == 0) {  // barrier divergence: two different __syncthreads
-    if (t < 32) __syncthreads();
-    else __syncthreads();
+    if (t < 32) __syncthreads();                                  // DIVERGE_A
+    else __syncthreads();                                         // DIVERGE_B
   } else if (which == 1) {  // some threads exit before a barrier the others wait at
     if (t >= 48) return;
-    __syncthreads();
+    __syncthreads();                                              // EXIT_BARRIER
   } else if (which == 2) {  // a full-mask shuffle that half the warp never reaches
-    if (lane < 16) out[t] = __shfl_xor_sync(0xffffffffu, s[t], 1);
+    if (lane < 16) out[t] = __shfl_xor_sync(0xffffffffu, s[t], 1);  // HALF_WARP_SHFL
   } else if (which == 3) {  // a mask without the calling lane
-    out[t] = __shfl_sync(0x1u, s[t], 0);
+    out[t] = __shfl_sync(0x1u, s[t], 0);                          // MASK_WITHOUT_CALLER
   } else if (which == 4) {
     if (t == 5) __trap();
   } else if (which == 5) {
-    assert(t != 7);
+    assert(t != 7);                                               // ASSERT
   } else if (which == 6) {  // warp collective waits while another lane sits at a barrier: deadlock
-    if (lane == 0) out[t] = __shfl_sync(0x3u, s[t], 1);
-    else __syncthreads();
+    if (lane == 0) out[t] = __shfl_sync(0x3u, s[t], 1);           // DEADLOCK_SHFL
+    else __syncthreads();                                         // DEADLOCK_BARRIER
   }
   __syncthreads();
   out[t] = s[t];

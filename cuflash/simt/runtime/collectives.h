@@ -16,25 +16,33 @@ inline std::vector<unsigned> fibers_where(const Block& b, FiberState s) {
   return v;
 }
 
-[[noreturn]] __attribute__((noinline, cold)) inline void barrier_misuse(Fiber* f, int line) {
+[[noreturn]] __attribute__((noinline, cold)) inline void barrier_misuse(Fiber* f, const char* file, int line) {
   Block& b = *f->block;
   if (b.done)
-    fail_fiber(where(b) + format(": thread %u reaches __syncthreads() (line %d) after threads %s exited; "
+    fail_fiber(where(b) + format(": thread %u reaches __syncthreads() (%s:%d) after threads %s exited; "
                                  "every thread of the block must reach each barrier",
-                                 f->linear, line, ranges(fibers_where(b, DONE)).c_str()));
-  fail_fiber(where(b) + format(": barrier divergence: threads %s wait at __syncthreads() (line %d) while "
-                               "thread %u reaches __syncthreads() at line %d",
-                               ranges(fibers_where(b, AT_BARRIER)).c_str(), b.barrier_line, f->linear, line));
+                                 f->linear, file, line, ranges(fibers_where(b, DONE)).c_str()));
+  fail_fiber(where(b) + format(": barrier divergence: threads %s wait at __syncthreads() (%s:%d) while "
+                               "thread %u reaches __syncthreads() at %s:%d",
+                               ranges(fibers_where(b, AT_BARRIER)).c_str(), b.barrier_file, b.barrier_line,
+                               f->linear, file, line));
 }
 
-inline void barrier_arrive(int line, int vote) {
+// One barrier is one call site: the same line of another file is another barrier.
+inline bool same_site(const char* file, int line, const char* file2, int line2) {
+  return line == line2 && (file == file2 || !std::strcmp(file, file2));
+}
+
+inline void barrier_arrive(const char* file, int line, int vote) {
   CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   Block& b = *f->block;
-  if (b.done || (b.at_barrier && line != b.barrier_line)) barrier_misuse(f, line);
-  if (b.at_barrier == 0) { b.barrier_line = line; b.bar_votes = 0; }
+  if (b.done || (b.at_barrier && !same_site(file, line, b.barrier_file, b.barrier_line)))
+    barrier_misuse(f, file, line);
+  if (b.at_barrier == 0) { b.barrier_file = file; b.barrier_line = line; b.bar_votes = 0; }
   b.bar_votes += vote != 0;
   f->state = AT_BARRIER;
+  f->file = file;
   f->line = line;
   f->what = "__syncthreads()";
 #if defined(CUFLASH_SIMT_RACE)
@@ -59,34 +67,34 @@ inline void barrier_arrive(int line, int vote) {
 inline Warp& my_warp(Fiber* f) { return f->block->warps[f->linear / 32]; }
 
 [[noreturn]] __attribute__((noinline, cold)) inline void collective_misuse(const Collective* op, unsigned mask,
-                                                                          int line) {
+                                                                          const char* file, int line) {
   Fiber* f = tl.fiber;
   Block& b = *f->block;
   Warp& w = my_warp(f);
   unsigned bit = 1u << f->lane;
   if (!(mask & bit))
-    fail_here("%s (line %d) with mask 0x%08x, which does not include the calling lane", op->name, line, mask);
+    fail_here("%s (%s:%d) with mask 0x%08x, which does not include the calling lane", op->name, file, line, mask);
   if (mask & ~w.present)
-    fail_here("%s (line %d) with mask 0x%08x names lanes that do not exist (the block has %zu threads)",
-              op->name, line, mask, b.fibers.size());
+    fail_here("%s (%s:%d) with mask 0x%08x names lanes that do not exist (the block has %zu threads)",
+              op->name, file, line, mask, b.fibers.size());
   if (mask & w.exited) {
     std::vector<unsigned> gone;
     for (unsigned l = 0; l < 32; l++)
       if (mask & w.exited & (1u << l)) gone.push_back(l);
-    fail_here("%s (line %d) with mask 0x%08x: lanes %s named in the mask have exited", op->name, line, mask,
+    fail_here("%s (%s:%d) with mask 0x%08x: lanes %s named in the mask have exited", op->name, file, line, mask,
               ranges(gone).c_str());
   }
   std::abort();
 }
 
 inline bool in_shared(const Block& b, const void* p, size_t n);
-inline void warp_collective(const Collective* op, unsigned mask, void* data, int line) {
+inline void warp_collective(const Collective* op, unsigned mask, void* data, const char* file, int line) {
   CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   Block& b = *f->block;
   Warp& w = my_warp(f);
   unsigned bit = 1u << f->lane;
-  if (!(mask & bit) || (mask & ~w.present) || (mask & w.exited)) collective_misuse(op, mask, line);
+  if (!(mask & bit) || (mask & ~w.present) || (mask & w.exited)) collective_misuse(op, mask, file, line);
   void* sync = nullptr;
 #if defined(CUFLASH_SIMT_RACE)
   // ldmatrix reads 16 bytes of shared memory at each lane's row address (the first member of ptx.cuh's
@@ -102,7 +110,7 @@ inline void warp_collective(const Collective* op, unsigned mask, void* data, int
     if (((w.arrived & mask) >> l) & 1 && w.lane[l].op == op && w.lane[l].mask == mask) sync = w.lane[l].sync;
   race_arrive(sync);
 #endif
-  w.lane[f->lane] = Arrival{op, mask, line, data, sync};
+  w.lane[f->lane] = Arrival{op, mask, file, line, data, sync};
   w.arrived |= bit;
   bool complete = (w.arrived & mask) == mask;
   for (unsigned l = 0; complete && l < 32; l++)
@@ -131,6 +139,7 @@ inline void warp_collective(const Collective* op, unsigned mask, void* data, int
     if (b.launch->order == Order::random) yield();  // let the seed decide who goes next
   } else {
     f->state = AT_WARP;
+    f->file = file;
     f->line = line;
     f->what = op->name;
     switch_away(f);
@@ -170,14 +179,14 @@ inline const Collective* shfl_op(ShflMode m) {
                                     {"__shfl_xor_sync", run_shfl<BFLY>}};
   return &ops[m];
 }
-template <class T> inline T shfl(ShflMode m, unsigned mask, T v, int arg, int width, int line) {
+template <class T> inline T shfl(ShflMode m, unsigned mask, T v, int arg, int width, const char* file, int line) {
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "shuffle a value of at most 8 bytes");
   if (width < 1 || width > 32 || (width & (width - 1)))
-    fail_here("%s (line %d) with width %d: the width must be a power of two up to 32", shfl_op(m)->name, line,
+    fail_here("%s (%s:%d) with width %d: the width must be a power of two up to 32", shfl_op(m)->name, file, line,
               width);
   ShflLane me{0, 0, arg, width};
   std::memcpy(&me.value, &v, sizeof(T));
-  warp_collective(shfl_op(m), mask, &me, line);
+  warp_collective(shfl_op(m), mask, &me, file, line);
   T r;
   std::memcpy(&r, &me.result, sizeof(T));
   return r;
@@ -198,9 +207,9 @@ inline const Collective* ballot_op(int kind) {
                                     {"__all_sync", run_ballot}, {"__syncwarp", run_ballot}};
   return &ops[kind];
 }
-inline unsigned vote(int kind, unsigned mask, int pred, int line) {
+inline unsigned vote(int kind, unsigned mask, int pred, const char* file, int line) {
   VoteLane me{pred != 0, 0};
-  warp_collective(ballot_op(kind), mask, &me, line);
+  warp_collective(ballot_op(kind), mask, &me, file, line);
   return me.result;
 }
 struct ReduceLane { uint32_t value, result; };
@@ -223,10 +232,11 @@ template <int K, bool S> inline void run_reduce(void* const* lanes, unsigned) {
   for (int l = 0; l < 32; l++)
     if (lanes[l]) ((ReduceLane*)lanes[l])->result = (uint32_t)acc;
 }
-template <int K, bool S> inline uint32_t reduce(const char* name, unsigned mask, uint32_t v, int line) {
+template <int K, bool S> inline uint32_t reduce(const char* name, unsigned mask, uint32_t v, const char* file,
+                                                int line) {
   static const Collective op{name, run_reduce<K, S>};
   ReduceLane me{v, 0};
-  warp_collective(&op, mask, &me, line);
+  warp_collective(&op, mask, &me, file, line);
   return me.result;
 }
 

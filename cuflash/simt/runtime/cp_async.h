@@ -7,16 +7,17 @@
 namespace cuflash_simt {
 
 // ---- cp.async: a per-thread queue; copies land at the wait that covers their group, not at issue ----
-inline void cp_async(void* dst, const void* src, int size, int src_size, int line) {
+inline void cp_async(void* dst, const void* src, int size, int src_size, const char* file, int line) {
   CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   if (!in_shared(*f->block, dst, (size_t)size))
-    fail_here("cp.async (line %d): destination %p is not %d bytes of this block's shared memory", line, dst, size);
+    fail_here("cp.async (%s:%d): destination %p is not %d bytes of this block's shared memory", file, line, dst,
+              size);
   if (((uintptr_t)dst | (uintptr_t)src) % (uintptr_t)size)
-    fail_here("cp.async (line %d): addresses %p and %p must be aligned to the copy size %d", line, dst, src,
+    fail_here("cp.async (%s:%d): addresses %p and %p must be aligned to the copy size %d", file, line, dst, src,
               size);
   if (src_size < 0 || src_size > size)
-    fail_here("cp.async (line %d): src-size %d outside [0, %d]", line, src_size, size);
+    fail_here("cp.async (%s:%d): src-size %d outside [0, %d]", file, line, src_size, size);
 #if defined(CUFLASH_SIMT_ASAN)
   // Check both ranges now, so that an out-of-bounds copy is reported at the line that issues it.
   if (void* bad = __asan_region_is_poisoned(const_cast<void*>(src), (size_t)src_size)) __asan_report_load_n(bad, 1);

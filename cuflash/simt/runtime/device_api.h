@@ -5,57 +5,61 @@
 #define CUFLASH_SIMT_RUNTIME_DEVICE_API_H
 
 // ------------------------------------------------------------------------------------------------
-// 11. The device-side API kernels call (CUDA's names). A defaulted __builtin_LINE() records the caller's
-//     line for messages.
+// 11. The device-side API kernels call (CUDA's names). Defaulted __builtin_FILE() and __builtin_LINE() record
+//     the caller's file and line (the kernel source's #line directives name the true ones) for messages.
 // ------------------------------------------------------------------------------------------------
-inline void __syncthreads(int line = __builtin_LINE()) { cuflash_simt::barrier_arrive(line, 0); }
-inline int __syncthreads_count(int pred, int line = __builtin_LINE()) {
-  cuflash_simt::barrier_arrive(line, pred);
+inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cuflash_simt::barrier_arrive(file, line, 0);
+}
+inline int __syncthreads_count(int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cuflash_simt::barrier_arrive(file, line, pred);
   return cuflash_simt::tl.block->bar_result;
 }
-inline int __syncthreads_and(int pred, int line = __builtin_LINE()) {
-  cuflash_simt::barrier_arrive(line, pred);
+inline int __syncthreads_and(int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cuflash_simt::barrier_arrive(file, line, pred);
   return cuflash_simt::tl.block->bar_result == (int)cuflash_simt::tl.block->fibers.size();
 }
-inline int __syncthreads_or(int pred, int line = __builtin_LINE()) {
-  cuflash_simt::barrier_arrive(line, pred);
+inline int __syncthreads_or(int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cuflash_simt::barrier_arrive(file, line, pred);
   return cuflash_simt::tl.block->bar_result != 0;
 }
-inline void __syncwarp(unsigned mask = 0xffffffffu, int line = __builtin_LINE()) {
-  cuflash_simt::vote(3, mask, 0, line);
+inline void __syncwarp(unsigned mask = 0xffffffffu, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cuflash_simt::vote(3, mask, 0, file, line);
 }
-template <class T> inline T __shfl_sync(unsigned mask, T var, int src, int width = 32, int line = __builtin_LINE()) {
-  return cuflash_simt::shfl(cuflash_simt::IDX, mask, var, src, width, line);
+template <class T> inline T __shfl_sync(unsigned mask, T var, int src, int width = 32,
+                                        const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cuflash_simt::shfl(cuflash_simt::IDX, mask, var, src, width, file, line);
 }
 template <class T> inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = 32,
-                                           int line = __builtin_LINE()) {
-  return cuflash_simt::shfl(cuflash_simt::UP, mask, var, (int)delta, width, line);
+                                           const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cuflash_simt::shfl(cuflash_simt::UP, mask, var, (int)delta, width, file, line);
 }
 template <class T> inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = 32,
-                                             int line = __builtin_LINE()) {
-  return cuflash_simt::shfl(cuflash_simt::DOWN, mask, var, (int)delta, width, line);
+                                             const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cuflash_simt::shfl(cuflash_simt::DOWN, mask, var, (int)delta, width, file, line);
 }
 template <class T> inline T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = 32,
-                                            int line = __builtin_LINE()) {
-  return cuflash_simt::shfl(cuflash_simt::BFLY, mask, var, lane_mask, width, line);
+                                            const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cuflash_simt::shfl(cuflash_simt::BFLY, mask, var, lane_mask, width, file, line);
 }
-inline unsigned __ballot_sync(unsigned mask, int pred, int line = __builtin_LINE()) {
-  return cuflash_simt::vote(0, mask, pred, line);
+inline unsigned __ballot_sync(unsigned mask, int pred, const char* file = __builtin_FILE(),
+                              int line = __builtin_LINE()) {
+  return cuflash_simt::vote(0, mask, pred, file, line);
 }
-inline int __any_sync(unsigned mask, int pred, int line = __builtin_LINE()) {
-  return cuflash_simt::vote(1, mask, pred, line) != 0;
+inline int __any_sync(unsigned mask, int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cuflash_simt::vote(1, mask, pred, file, line) != 0;
 }
-inline int __all_sync(unsigned mask, int pred, int line = __builtin_LINE()) {
-  return cuflash_simt::vote(2, mask, pred, line) == mask;
+inline int __all_sync(unsigned mask, int pred, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  return cuflash_simt::vote(2, mask, pred, file, line) == mask;
 }
 // Lanes of the caller's warp that have not exited (the emulator has no finer notion of convergence).
 inline unsigned __activemask() {
   cuflash_simt::Warp& w = cuflash_simt::my_warp(cuflash_simt::tl.fiber);
   return w.present & ~w.exited;
 }
-#define CUFLASH_SIMT_REDUCE(NAME, K, T, S)                                                             \
-  inline T NAME(unsigned mask, T v, int line = __builtin_LINE()) {                                     \
-    return (T)cuflash_simt::reduce<K, S>(#NAME, mask, (uint32_t)v, line);                              \
+#define CUFLASH_SIMT_REDUCE(NAME, K, T, S)                                                              \
+  inline T NAME(unsigned mask, T v, const char* file = __builtin_FILE(), int line = __builtin_LINE()) { \
+    return (T)cuflash_simt::reduce<K, S>(#NAME, mask, (uint32_t)v, file, line);                         \
   }
 CUFLASH_SIMT_REDUCE(__reduce_add_sync, 0, unsigned, false)
 CUFLASH_SIMT_REDUCE(__reduce_add_sync, 0, int, true)

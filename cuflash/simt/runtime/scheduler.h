@@ -27,18 +27,19 @@ inline void thread_exit(Fiber* f) {
   Block& b = *f->block;
   Warp& w = my_warp(f);
   if (b.at_barrier)
-    fail_fiber(where(b) + format(": thread %u exits while threads %s wait at __syncthreads() (line %d); every "
+    fail_fiber(where(b) + format(": thread %u exits while threads %s wait at __syncthreads() (%s:%d); every "
                                  "thread of the block must reach each barrier",
-                                 f->linear, ranges(fibers_where(b, AT_BARRIER)).c_str(), b.barrier_line));
+                                 f->linear, ranges(fibers_where(b, AT_BARRIER)).c_str(), b.barrier_file,
+                                 b.barrier_line));
   for (unsigned l = 0; l < 32; l++) {
     if (!((w.arrived >> l) & 1) || !((w.lane[l].mask >> f->lane) & 1)) continue;
     std::vector<unsigned> waiting;
     for (unsigned k = 0; k < 32; k++)
       if (((w.arrived >> k) & 1) && w.lane[k].op == w.lane[l].op) waiting.push_back(k);
-    fail_fiber(where(b) + format(": warp %u: lanes %s wait at %s (line %d, mask 0x%08x) but lane %u, named in the "
+    fail_fiber(where(b) + format(": warp %u: lanes %s wait at %s (%s:%d, mask 0x%08x) but lane %u, named in the "
                                  "mask, exits without reaching it",
-                                 f->linear / 32, ranges(waiting).c_str(), w.lane[l].op->name, w.lane[l].line,
-                                 w.lane[l].mask, f->lane));
+                                 f->linear / 32, ranges(waiting).c_str(), w.lane[l].op->name, w.lane[l].file,
+                                 w.lane[l].line, w.lane[l].mask, f->lane));
   }
   switch_away(f, true);  // the waiting lanes' masks do not name this one
   std::abort();
@@ -75,26 +76,28 @@ inline std::string deadlock_report(const Block& b) {
   std::string s = where(b) + ": no thread can move (deadlock).";
   std::vector<unsigned> bar = fibers_where(b, AT_BARRIER), gone = fibers_where(b, DONE);
   if (!bar.empty())
-    s += format(" Threads %s wait at __syncthreads() (line %d).", ranges(bar).c_str(), b.barrier_line);
+    s += format(" Threads %s wait at __syncthreads() (%s:%d).", ranges(bar).c_str(), b.barrier_file,
+                b.barrier_line);
   for (size_t wi = 0; wi < b.warps.size(); wi++) {
     const Warp& w = b.warps[wi];
     for (unsigned l = 0; l < 32; l++) {
       if (!((w.arrived >> l) & 1)) continue;
       const Arrival& a = w.lane[l];
-      bool first = true;  // report each (op, line, mask) group once, at its lowest lane
+      bool first = true;  // report each (op, call site, mask) group once, at its lowest lane
       for (unsigned k = 0; k < l; k++)
-        if (((w.arrived >> k) & 1) && w.lane[k].op == a.op && w.lane[k].line == a.line && w.lane[k].mask == a.mask)
+        if (((w.arrived >> k) & 1) && w.lane[k].op == a.op &&
+            same_site(w.lane[k].file, w.lane[k].line, a.file, a.line) && w.lane[k].mask == a.mask)
           first = false;
       if (!first) continue;
       std::vector<unsigned> here, missing;
       for (unsigned k = 0; k < 32; k++) {
-        bool same = ((w.arrived >> k) & 1) && w.lane[k].op == a.op && w.lane[k].line == a.line &&
-                    w.lane[k].mask == a.mask;
+        bool same = ((w.arrived >> k) & 1) && w.lane[k].op == a.op &&
+                    same_site(w.lane[k].file, w.lane[k].line, a.file, a.line) && w.lane[k].mask == a.mask;
         if (same) here.push_back(k);
         else if ((a.mask >> k) & 1) missing.push_back(k);
       }
-      s += format(" Warp %zu: lanes %s wait at %s (line %d, mask 0x%08x) for lanes %s, which never reach it.",
-                  wi, ranges(here).c_str(), a.op->name, a.line, a.mask, ranges(missing).c_str());
+      s += format(" Warp %zu: lanes %s wait at %s (%s:%d, mask 0x%08x) for lanes %s, which never reach it.",
+                  wi, ranges(here).c_str(), a.op->name, a.file, a.line, a.mask, ranges(missing).c_str());
     }
   }
   if (!gone.empty()) s += format(" Threads %s have exited.", ranges(gone).c_str());

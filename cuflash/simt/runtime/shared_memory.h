@@ -16,7 +16,7 @@ inline bool in_shared(const Block& b, const void* p, size_t n) {
 }
 // Called right after each rewritten static __shared__ declaration: the first thread of a block to get
 // there fills the array with 0xff bytes (NaN for floating types), so reading it before writing shows.
-inline void shared_fresh(const void* p, size_t n, int line) {
+inline void shared_fresh(const void* p, size_t n, const char* file, int line) {
   CUFLASH_SIMT_RUNTIME_SCOPE;
   Block& b = *tl.block;
   for (const auto& s : b.statics)
@@ -24,9 +24,9 @@ inline void shared_fresh(const void* p, size_t n, int line) {
   b.statics.emplace_back(p, n);
   b.static_bytes += n;
   if (b.static_bytes + b.launch->dyn_bytes > b.launch->smem_limit)
-    fail_here("__shared__ array at line %d brings the block to %zu bytes of static and %zu of dynamic shared "
+    fail_here("__shared__ array at %s:%d brings the block to %zu bytes of static and %zu of dynamic shared "
               "memory, more than the %zu the emulated device allows per block",
-              line, b.static_bytes, b.launch->dyn_bytes, b.launch->smem_limit);
+              file, line, b.static_bytes, b.launch->dyn_bytes, b.launch->smem_limit);
   std::memset(const_cast<void*>(p), 0xff, n);
 }
 inline void* dynamic_shared() { return tl.block->dyn; }

@@ -24,6 +24,7 @@ struct Collective {
 struct Arrival {
   const Collective* op = nullptr;
   unsigned mask = 0;
+  const char* file = "";  // the call site, for messages
   int line = 0;
   void* data = nullptr;
   void* sync = nullptr;  // race mode: this collective's happens-before object, shared by its lanes
@@ -48,6 +49,7 @@ struct Fiber {
   uint3 tid{0, 0, 0};
   unsigned linear = 0, lane = 0;
   FiberState state = READY;
+  const char* file = "";  // where it waits
   int line = 0;
   const char* what = "";
   std::vector<CpAsync> cp_queue;
@@ -85,6 +87,7 @@ struct Block {
   std::vector<unsigned> ready;  // ring buffer of fiber indices
   size_t head = 0, count = 0;
   unsigned at_barrier = 0, done = 0;
+  const char* barrier_file = "";  // the open barrier's call site
   int barrier_line = 0;
   int bar_votes = 0, bar_result = 0;  // __syncthreads_count/and/or
   uint64_t rng = 0;
