@@ -1,7 +1,9 @@
-// ptx.cuh: every inline PTX cuflash uses, each in one small device function. Under __CUDA_ARCH__ the asm; in the
-// SIMT emulator (CUFLASH_SIMT) a twin with exactly the instruction's per-lane semantics, written from the PTX
-// ISA's fragment layouts, run as a warp collective (every lane of the warp must reach it, as .sync.aligned
-// demands on the GPU). Registers are `unsigned` (32 bits; NVRTC has no <cstdint>).
+// ptx.cuh: every inline PTX cuflash's kernels use, each in one small device function. Under __CUDA_ARCH__ the asm;
+// in the SIMT emulator (CUFLASH_SIMT) a twin with exactly the instruction's per-lane semantics, written from the
+// PTX ISA's fragment layouts, run as a warp collective (every lane of the warp must reach it, as .sync.aligned
+// demands on the GPU). Registers are `unsigned` (32 bits; NVRTC has no <cstdint>). Wrappers only the tests use
+// (mma.m16n8k8, ldmatrix .x1/.x2, cp.async.ca, wait_all) are written the same way beside those tests, in
+// tests/simt_kernels/ptx_extra.cuh.
 //
 // Notation of the layouts below: g = lane / 4 (groupID), t = lane % 4 (thread in group); a 32-bit register of
 // .f16x2/.bf16x2 holds its lower-numbered element in the low half.
@@ -22,7 +24,6 @@ namespace ptx {
 // ---- the emulator's side: gather the warp's fragments into matrices, compute, scatter ----------------------
 namespace twin {
 
-enum Kind { F16_K16, BF16_K16, F16_K8, TF32_K8 };
 struct MmaLane { float* d; const unsigned* a; const unsigned* b; const float* c; };
 
 inline float elem16(unsigned reg, int half, bool bf16) {
@@ -30,41 +31,42 @@ inline float elem16(unsigned reg, int half, bool bf16) {
   return bf16 ? __bfloat162float(__ushort_as_bfloat16(bits)) : __half2float(__ushort_as_half(bits));
 }
 
-// Where element e of lane `lane`'s fragment sits: A as (row, k), B as (k, col), C/D as (row, col).
-template <Kind K> inline void a_pos(int lane, int e, int& row, int& k) {
-  int g = lane >> 2, t = lane & 3;
-  if (K == TF32_K8) { row = g + 8 * (e & 1); k = t + 4 * (e >> 1); return; }      // a0..a3: one per register
-  int r = e >> 1, h = e & 1;                                                        // element e in register e/2
-  if (K == F16_K8) { row = g + 8 * r; k = 2 * t + h; return; }                      // a0,a1 | a2,a3
-  row = g + 8 * (r & 1); k = 2 * t + h + 8 * (r >> 1);                              // a0,a1 | a2,a3 | a4,a5 | a6,a7
-}
-template <Kind K> inline void b_pos(int lane, int e, int& k, int& col) {
-  int g = lane >> 2, t = lane & 3;
-  col = g;
-  if (K == TF32_K8) { k = t + 4 * e; return; }                                      // b0, b1
-  k = 2 * t + (e & 1) + 8 * (e >> 1);                                               // b0,b1 | b2,b3
-}
+// A shape's fragments: K (the depth), NA and NB (A's and B's elements per lane), where element e of lane `lane`'s
+// fragment sits (A as (row, k), B as (k, col)) and its value (elem). The shapes the tests alone use are beside
+// them, in tests/simt_kernels/ptx_extra.cuh.
+// m16n8k16 with f16 inputs, bf16 when BF16: two elements per register, element e in register e/2.
+template <bool BF16> struct M16N8K16 {
+  static constexpr int K = 16, NA = 8, NB = 4;
+  static void a_pos(int lane, int e, int& row, int& k) {
+    int g = lane >> 2, t = lane & 3;
+    int r = e >> 1, h = e & 1;                                                      // element e in register e/2
+    row = g + 8 * (r & 1); k = 2 * t + h + 8 * (r >> 1);                            // a0,a1 | a2,a3 | a4,a5 | a6,a7
+  }
+  static void b_pos(int lane, int e, int& k, int& col) {
+    int g = lane >> 2, t = lane & 3;
+    col = g;
+    k = 2 * t + (e & 1) + 8 * (e >> 1);                                             // b0,b1 | b2,b3
+  }
+  static double elem(const unsigned* regs, int e) { return (double)elem16(regs[e >> 1], e & 1, BF16); }
+};
+// C/D, the same for every shape: (row, col).
 inline void cd_pos(int lane, int e, int& row, int& col) {
   row = (lane >> 2) + 8 * (e >> 1);
   col = 2 * (lane & 3) + (e & 1);
 }
 
-template <Kind K> inline void run_mma(void* const* lanes, unsigned) {
-  constexpr int KD = (K == F16_K16 || K == BF16_K16) ? 16 : 8;
-  constexpr int NA = KD == 16 ? 8 : 4, NB = KD == 16 ? 4 : 2;  // elements per lane
+template <class S> inline void run_mma(void* const* lanes, unsigned) {
   double A[16][16], B[16][8], C[16][8];
   for (int lane = 0; lane < 32; lane++) {
     const MmaLane& L = *(const MmaLane*)lanes[lane];
     int r, c;
-    for (int e = 0; e < NA; e++) {
-      a_pos<K>(lane, e, r, c);
-      A[r][c] = K == TF32_K8 ? (double)__uint_as_float(L.a[e] & 0xffffe000u)  // tf32: the low 13 bits are ignored
-                             : (double)elem16(L.a[e >> 1], e & 1, K == BF16_K16);
+    for (int e = 0; e < S::NA; e++) {
+      S::a_pos(lane, e, r, c);
+      A[r][c] = S::elem(L.a, e);
     }
-    for (int e = 0; e < NB; e++) {
-      b_pos<K>(lane, e, r, c);
-      B[r][c] = K == TF32_K8 ? (double)__uint_as_float(L.b[e] & 0xffffe000u)
-                             : (double)elem16(L.b[e >> 1], e & 1, K == BF16_K16);
+    for (int e = 0; e < S::NB; e++) {
+      S::b_pos(lane, e, r, c);
+      B[r][c] = S::elem(L.b, e);
     }
     for (int e = 0; e < 4; e++) {
       cd_pos(lane, e, r, c);
@@ -78,15 +80,15 @@ template <Kind K> inline void run_mma(void* const* lanes, unsigned) {
       int r, c;
       cd_pos(lane, e, r, c);
       double acc = 0;
-      for (int k = 0; k < KD; k++) acc += A[r][k] * B[k][c];
+      for (int k = 0; k < S::K; k++) acc += A[r][k] * B[k][c];
       L.d[e] = (float)(acc + C[r][c]);
     }
   }
 }
 
-template <Kind K> inline void mma(float* d, const unsigned* a, const unsigned* b, const float* c, const char* name,
-                                  const char* file, int line) {
-  static const ::cuflash_simt::Collective op{name, run_mma<K>};
+template <class S> inline void mma(float* d, const unsigned* a, const unsigned* b, const float* c, const char* name,
+                                   const char* file, int line) {
+  static const ::cuflash_simt::Collective op{name, run_mma<S>};
   MmaLane me{d, a, b, c};
   ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, file, line);
 }
@@ -143,7 +145,7 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float (&d)[4], const unsigned (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
-  twin::mma<twin::F16_K16>(d, a, b, c, "mma.m16n8k16.f16", file, line);
+  twin::mma<twin::M16N8K16<false>>(d, a, b, c, "mma.m16n8k16.f16", file, line);
 #endif
 }
 
@@ -156,39 +158,11 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
-  twin::mma<twin::BF16_K16>(d, a, b, c, "mma.m16n8k16.bf16", file, line);
+  twin::mma<twin::M16N8K16<true>>(d, a, b, c, "mma.m16n8k16.bf16", file, line);
 #endif
 }
 
-// m16n8k8, f16 inputs. A: a[r] holds (row g + 8r, cols 2t + {0,1}); B: b[0] holds (rows 2t + {0,1}, col g).
-__device__ __forceinline__ void mma_m16n8k8_f16(float (&d)[4], const unsigned (&a)[2], const unsigned (&b)[1],
-                                                const float (&c)[4] CUFLASH_PTX_CALLER) {
-#if defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-#else
-  twin::mma<twin::F16_K8>(d, a, b, c, "mma.m16n8k8.f16", file, line);
-#endif
-}
-
-// m16n8k8, tf32 inputs (f32 bit patterns; the low 13 mantissa bits are ignored). A: a[r] is (row g + 8(r&1),
-// col t + 4(r>>1)); B: b[r] is (row t + 4r, col g).
-__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                                 const float (&c)[4] CUFLASH_PTX_CALLER) {
-#if defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-#else
-  twin::mma<twin::TF32_K8>(d, a, b, c, "mma.m16n8k8.tf32", file, line);
-#endif
-}
-
-// ---- ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16 ------------------------------------------------
+// ---- ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16 (the kernels use .x4) ----------------------
 // smem_row: this lane's row address (16 bytes, 16-byte aligned, in shared memory); lanes 8j..8j+7 give matrix j's
 // rows (lanes past 8N give addresses the instruction ignores).
 #if defined(__CUDA_ARCH__)
@@ -203,23 +177,13 @@ __device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (
     twin::ldmatrix<N, TRANS>(r, smem_row, file, line);                                                    \
   }
 #endif
-#define CUFLASH_OUT1 "=r"(r[0])
-#define CUFLASH_OUT2 "=r"(r[0]), "=r"(r[1])
 #define CUFLASH_OUT4 "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-CUFLASH_LDMATRIX(ldmatrix_x1, 1, false, "ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n", CUFLASH_OUT1)
-CUFLASH_LDMATRIX(ldmatrix_x2, 2, false, "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n", CUFLASH_OUT2)
 CUFLASH_LDMATRIX(ldmatrix_x4, 4, false, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n",
                  CUFLASH_OUT4)
-CUFLASH_LDMATRIX(ldmatrix_x1_trans, 1, true, "ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n",
-                 CUFLASH_OUT1)
-CUFLASH_LDMATRIX(ldmatrix_x2_trans, 2, true, "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n",
-                 CUFLASH_OUT2)
 CUFLASH_LDMATRIX(ldmatrix_x4_trans, 4, true,
                  "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n", CUFLASH_OUT4)
-#undef CUFLASH_LDMATRIX
-#undef CUFLASH_OUT1
-#undef CUFLASH_OUT2
 #undef CUFLASH_OUT4
+// CUFLASH_LDMATRIX stays defined: tests/simt_kernels/ptx_extra.cuh stamps out the widths only the tests use.
 
 // ---- cp.async: global -> shared without passing through registers -----------------------------------------
 // Copies `bytes` (4, 8 or 16) from gmem to smem; when src_bytes < bytes, only src_bytes are read and the rest is
@@ -238,11 +202,8 @@ CUFLASH_LDMATRIX(ldmatrix_x4_trans, 4, true,
     ::cuflash_simt::cp_async(smem, gmem, BYTES, src_bytes, file, line);                                    \
   }
 #endif
-CUFLASH_CP_ASYNC(cp_async_ca4, "ca", 4)
-CUFLASH_CP_ASYNC(cp_async_ca8, "ca", 8)
-CUFLASH_CP_ASYNC(cp_async_ca16, "ca", 16)
 CUFLASH_CP_ASYNC(cp_async_cg16, "cg", 16)  // .cg (L2 only) exists for 16 bytes alone
-#undef CUFLASH_CP_ASYNC
+// CUFLASH_CP_ASYNC stays defined: tests/simt_kernels/ptx_extra.cuh stamps out cp_async_ca16 with it.
 
 // Close the group of this thread's cp.async copies issued since the last commit.
 __device__ __forceinline__ void cp_async_commit() {
@@ -259,16 +220,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 #else
   ::cuflash_simt::cp_async_wait(N);
-#endif
-}
-
-// Wait for every copy this thread issued (committed or not), like cp.async.wait_all.
-__device__ __forceinline__ void cp_async_wait_all() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#else
-  ::cuflash_simt::cp_async_commit();
-  ::cuflash_simt::cp_async_wait(0);
 #endif
 }
 

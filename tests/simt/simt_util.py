@@ -15,15 +15,17 @@ HEADERS = ROOT / "cuflash" / "kernels"
 
 
 def source(name: str, with_ptx: bool = False) -> str:
-    """One source string, as the project builds them: common.cuh (+ ptx.cuh) + the test kernels."""
-    parts = [HEADERS / "common.cuh"] + ([HEADERS / "ptx.cuh"] if with_ptx else []) + [KERNELS / name]
+    """One source string, as the project builds them: common.cuh (+ ptx.cuh and the wrappers only the tests use,
+    ptx_extra.cuh) + the test kernels. Pasted, not included, so that the emulator's build cache sees every byte."""
+    ptx = [HEADERS / "ptx.cuh", KERNELS / "ptx_extra.cuh"] if with_ptx else []
+    parts = [HEADERS / "common.cuh"] + ptx + [KERNELS / name]
     return "".join(p.read_text() + "\n" for p in parts)
 
 
 def site(name: str, marker: str, with_ptx: bool = False) -> re.Pattern:
     """How the emulator's messages name the line of tests/simt_kernels/NAME that carries the marker comment: the
     source string has no #line directives and module() gives it no file name, so the file is RawModule's default,
-    kernel.cu, and the line is the marker's line in the whole string (after common.cuh and ptx.cuh)."""
+    kernel.cu, and the line is the marker's line in the whole string (after common.cuh and the PTX headers)."""
     lines = [i for i, line in enumerate(source(name, with_ptx).splitlines(), 1) if marker in line]
     assert len(lines) == 1, (name, marker, lines)
     return re.compile(rf"\bkernel\.cu:{lines[0]}\b")

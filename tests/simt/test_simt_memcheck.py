@@ -24,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def marker_line(marker):
-    """The line of the assembled source (common.cuh + ptx.cuh + memcheck.cu) that carries the marker comment."""
+    """The line of the assembled source (common.cuh + ptx.cuh + ptx_extra.cuh + memcheck.cu) that carries the
+    marker comment."""
     for i, line in enumerate(simt_util.source("memcheck.cu", with_ptx=True).splitlines(), 1):
         if marker in line:
             return i

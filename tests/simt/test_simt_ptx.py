@@ -1,6 +1,7 @@
-"""The PTX wrappers of cuflash/kernels/ptx.cuh in the emulator: per-lane fragment layouts of mma and ldmatrix
-against the PTX ISA's tables, a whole mma fed from shared memory by cp.async and ldmatrix against NumPy matmul,
-cp.async landing only at its wait, misuse reported, and the same source compiling under NVRTC."""
+"""The PTX wrappers of cuflash/kernels/ptx.cuh and the tests' own (tests/simt_kernels/ptx_extra.cuh) in the
+emulator: per-lane fragment layouts of mma and ldmatrix against the PTX ISA's tables, a whole mma fed from shared
+memory by cp.async and ldmatrix against NumPy matmul, cp.async landing only at its wait, misuse reported, and the
+same source compiling under NVRTC."""
 
 import ml_dtypes
 import numpy as np

@@ -1,6 +1,7 @@
 // Out-of-bounds accesses AddressSanitizer must catch in the emulator's memcheck build, and a clean kernel it must
-// pass. Prepend common.cuh and ptx.cuh. `which`: 0 clean, 1 global read past the end, 2 global write past the end,
-// 3 static shared write past the end, 4 dynamic shared read past the launch's size, 5 cp.async reading past the end.
+// pass. Prepend common.cuh, ptx.cuh, ptx_extra.cuh. `which`: 0 clean, 1 global read past the end, 2 global write
+// past the end, 3 static shared write past the end, 4 dynamic shared read past the launch's size, 5 cp.async
+// reading past the end.
 extern "C" __global__ void oob(const float* in, float* out, int n, int which) {
   __shared__ float s[64];
   extern __shared__ float dyn[];

@@ -1,4 +1,5 @@
-// Misuse of the PTX wrappers the emulator must report (undefined behaviour on a GPU). Prepend common.cuh, ptx.cuh.
+// Misuse of the PTX wrappers the emulator must report (undefined behaviour on a GPU). Prepend common.cuh, ptx.cuh,
+// ptx_extra.cuh.
 extern "C" __global__ void ptx_misuse(const unsigned short* g, float* out, int which) {
   __shared__ __align__(16) unsigned short s[32 * 8 + 8];
   int lane = threadIdx.x;

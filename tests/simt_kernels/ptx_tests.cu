@@ -1,6 +1,6 @@
-// Kernels that exercise each PTX wrapper of cuflash/kernels/ptx.cuh one warp at a time. They run unchanged on a
-// GPU (through CuPy) and in the emulator; tests compare per-lane registers between the two and with NumPy.
-// Prepend common.cuh and ptx.cuh to this file to get the source string.
+// Kernels that exercise each PTX wrapper of cuflash/kernels/ptx.cuh and ptx_extra.cuh one warp at a time. They run
+// unchanged on a GPU (through CuPy) and in the emulator; tests compare per-lane registers between the two and with
+// NumPy. Prepend common.cuh, ptx.cuh and ptx_extra.cuh to this file to get the source string.
 
 // One mma per warp with registers taken straight from memory: a_regs[lane][4], b_regs[lane][2],
 // c_regs[lane][4] in, d_regs[lane][4] out. Kind: 0 m16n8k16.f16, 1 m16n8k16.bf16, 2 m16n8k8.f16, 3 m16n8k8.tf32.
