@@ -86,7 +86,7 @@ extern "C" __global__ void misuse_probe(const __half* g, float* out, int which) 
 
 @pytest.fixture(scope="module")
 def misuse_probe():
-    return simt.RawModule(code=launch.source() + MISUSE_PROBE, filename="forward_mma.cuh")
+    return simt.RawModule(code=kernels.source("forward_mma.cuh") + MISUSE_PROBE, filename="forward_mma.cuh")
 
 
 @pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
