@@ -16,7 +16,7 @@ import numpy as np
 from .tiling import Plan
 
 # The per-launch geometry table, declared once: the C struct Geometry of kernels/tile.cuh, field for field
-# (tests/test_compile.py checks sizes, offsets and constants through the compiler: layout_asserts).
+# (tests/test_layout.py checks sizes, offsets and constants through the compiler: layout_asserts).
 MAX_BATCH_DIMS = 6  # kMaxBatchDims
 OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")  # the Operand enum's order
 OPERAND_STRIDES = np.dtype([("row", np.int64), ("col", np.int64), ("batch", np.int64, (MAX_BATCH_DIMS,))])

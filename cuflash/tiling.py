@@ -18,7 +18,8 @@ from .devices import KNOWN, DeviceLimits, fmt_bytes
 from .family import BlockConfig, Family, Shape
 
 __all__ = ["FAMILIES", "KNOWN", "BlockConfig", "DeviceLimits", "Family", "Plan", "Shape", "block_pair", "choose",
-           "family_of", "key_splits", "not_supported_reasons", "plan", "resolve", "split_keys"]
+           "accumulator_words", "family_of", "key_splits", "not_supported_reasons", "occupancy", "plan", "resolve",
+           "shared_memory_bytes", "split_keys"]
 
 FAMILIES = (tensorcore.FORWARD, cudacore.FORWARD)  # preference order: the first whose candidates run is chosen
 DECODE_ROWS = 16  # queries per batch item up to which a few short query tiles and split keys serve (decoding)
