@@ -4,11 +4,11 @@ cuflash.attention(q, k, v) computes exact attention tile by tile with an online 
 matrix never exists in memory.
 """
 
-from .api import attention
+from .api import attention, attention_backward
 from .errors import BackendUnavailableError
 from .dtypes import bfloat16
 from .devices import DeviceLimits
 from .family import BlockConfig
 
-__all__ = ["attention", "BackendUnavailableError", "bfloat16", "BlockConfig", "DeviceLimits"]
+__all__ = ["attention", "attention_backward", "BackendUnavailableError", "bfloat16", "BlockConfig", "DeviceLimits"]
 __version__ = "0.1.0"

@@ -78,16 +78,97 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
 
 
 def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block):
+    return_lse = check_flag(return_lse, "return_lse")
+    problem, (q, k, v, mask, bias) = make_problem(xp, q, k, v, scale, causal, window, mask, bias, (out,))
+    batch, n = problem.batch, problem.n
+    runner = backends.get(backend, xp)
+    result, target = output_for(problem, out, (q, k, v, mask, bias))
+    lse = xp.empty(batch + (n,), dtype=problem.acc_dtype) if return_lse else None
+    if not problem.empty:
+        runner.run(problem, result, lse, block=block)
+    if target is not None and target is not result:
+        xp.copyto(target, result, casting="unsafe")  # same_kind was checked in output_for
+        result = target
+    return (result, lse) if return_lse else result
+
+
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike, /,
+                       *, scale: Optional[Scalar] = None, causal: Flag = False, window: Optional[WindowSides] = None,
+                       mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None, bias_grad: Flag = False,
+                       backend: Optional[str] = None, block: Block = None) -> Tuple[Array, ...]:
+    """The gradients (dq, dk, dv), and dbias with bias_grad=True, of attention's result given dout, the gradient
+    of a loss with respect to it.
+
+    q, k, v and the keywords are those of the forward call that returned (out, lse) (return_lse=True), with the
+    same meaning. Each gradient has its operand's own shape: axes the forward broadcast are summed, so k and v
+    shared by a group of query heads get the group's sum, and a bias broadcast over the batch its sum over the
+    batch. Gradients have the forward's result dtype; 16- and 32-bit inputs accumulate in float32, float64 in
+    float64. Hidden keys (causal, window, mask, -inf bias) get exactly zero gradient, and a NaN or inf in a
+    hidden key or value never reaches a gradient. Deterministic: the same inputs give the same bits."""
+    xp = array_module(q, k, v, mask, bias, out, lse, dout)
+    with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):
+        return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, bias_grad,
+                                   backend, block)
+
+
+def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, bias_grad, backend,
+                        block):
+    bias_grad = check_flag(bias_grad, "bias_grad")
+    saved = [as_array(x, xp, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse"))]
+    problem, operands = make_problem(xp, q, k, v, scale, causal, window, mask, bias, saved)
+    if bias_grad and problem.bias is None:
+        raise ValueError(f"{NAME}_backward: bias_grad=True asks for the gradient of the bias, but no bias= was "
+                         f"given; pass the forward call's bias")
+    dout, out, lse = check_saved(problem, *saved)
+    runner = backends.get(backend, xp)
+    if not hasattr(runner, "run_backward"):
+        raise backends.BackendUnavailableError(
+            f"{NAME}_backward: backend {runner.__name__.rsplit('.', 1)[-1]!r} has no backward pass yet; the numpy "
+            f"backend has one (NumPy arrays, or backend='numpy')")
+    batch, n, m = problem.batch, problem.n, problem.m
+    shapes = ((n, problem.d), (m, problem.d), (m, problem.e)) + (((n, m),) if bias_grad else ())
+    grads = [xp.zeros(batch + shape, dtype=problem.acc_dtype) for shape in shapes]
+    if not problem.empty:
+        runner.run_backward(problem, dout, out, lse, grads + [None] * (4 - len(grads)), block=block)
+    q, k, v, _, bias = operands
+    return tuple(sum_to(g, x.shape).astype(problem.dtype, copy=False) for g, x in zip(grads, (q, k, v, bias)))
+
+
+def check_saved(problem, dout, out, lse):
+    """dout and out as the forward's result, lse as its row log-sum-exp: shapes exact, real floating dtypes."""
+    batch = problem.batch
+    for x, name, shape in ((dout, "dout", batch + (problem.n, problem.e)), (out, "out", batch + (problem.n, problem.e)),
+                           (lse, "lse", batch + (problem.n,))):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{NAME}_backward: {name} has shape {tuple(x.shape)} but the forward call's "
+                             f"{'lse' if name == 'lse' else 'result'} has shape {shape}")
+        if not is_real_float(x.dtype):
+            raise TypeError(f"{NAME}_backward: {name} must be a real floating array, got {describe(x.dtype)}")
+    return dout, out, lse
+
+
+def sum_to(x, shape):
+    """x summed over the axes NumPy broadcast an array of `shape` along to reach x.shape, in a fixed order
+    (leading axes first, then the size-1 ones): the same inputs give the same bits."""
+    lead = x.ndim - len(shape)
+    if lead:
+        x = x.sum(axis=tuple(range(lead)))
+    axes = tuple(i for i, (size, full) in enumerate(zip(shape, x.shape)) if size == 1 and full != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=()):
+    """The Problem of a call's arguments, checked by NumPy's rules, and the operands as arrays (their own shapes:
+    the backward sums each gradient back to them). others: further arrays whose dtypes take part in the
+    bfloat16 check (out=, the backward's saved tensors)."""
     q, k, v = (as_array(x, xp, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     check_core_dims(q, k, v)
     dtype = common_dtype(q.dtype, k.dtype, v.dtype, name=NAME)
     mask = None if mask is None else as_array(mask, xp, "mask")
     bias = None if bias is None else as_array(bias, xp, "bias")
-    return_lse = check_flag(return_lse, "return_lse")
     check_mask_bias_dtypes(mask, bias)
-    check_bfloat16_support(xp, [dtype, q.dtype, k.dtype, v.dtype] + [x.dtype for x in (bias, out)
+    check_bfloat16_support(xp, [dtype, q.dtype, k.dtype, v.dtype] + [x.dtype for x in (bias,) + tuple(others)
                                                                   if isinstance(x, xp.ndarray)])
-
     n, d = q.shape[-2:]
     m, e = v.shape[-2:]
     batch = broadcast_batch(q, k, v, mask, bias, n, m)
@@ -104,15 +185,7 @@ def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, 
         xp=xp,
         bias_hides=bias_may_hide(bias, xp),
     )
-    runner = backends.get(backend, xp)
-    result, target = output_for(problem, out, (q, k, v, mask, bias))
-    lse = xp.empty(batch + (n,), dtype=problem.acc_dtype) if return_lse else None
-    if not problem.empty:
-        runner.run(problem, result, lse, block=block)
-    if target is not None and target is not result:
-        xp.copyto(target, result, casting="unsafe")  # same_kind was checked in output_for
-        result = target
-    return (result, lse) if return_lse else result
+    return problem, (q, k, v, mask, bias)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -122,7 +195,7 @@ def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, 
 def array_module(*operands):
     """numpy or cupy, from the operands that are arrays; mixing the two is a TypeError."""
     modules = {}
-    for name, x in zip(("q", "k", "v", "mask", "bias", "out"), operands):
+    for name, x in zip(("q", "k", "v", "mask", "bias", "out", "lse", "dout"), operands):
         if x is None:
             continue
         modules.setdefault(module_name(x), []).append(name)

@@ -56,6 +56,7 @@ FMA_SPLIT = "tests/test_kernel_simt.py::test_split_keys"
 MMA = "tests/test_kernel_mma.py::test_matches_reference"
 MMA_SPLIT = "tests/test_kernel_mma.py::test_split_keys"
 PTX = "tests/simt/test_simt_ptx.py"
+BACKWARD = "tests/test_backward.py"
 
 MUTANTS = (
     # ---- the front door and the Problem
@@ -97,6 +98,21 @@ MUTANTS = (
     m("numpy-unmasked-tile", "cuflash/backends/numpy.py",
       [("visible = problem.window_tile(i0, i1, j0, j1)", "visible = None")], [NUMPY],
       "tiles straddling the window edge take every key"),
+    # ---- the NumPy backward
+    m("backward-no-delta", "cuflash/backends/numpy.py",
+      [("np.swapaxes(v_j, -1, -2)) - delta)", "np.swapaxes(v_j, -1, -2)))")], [f"{BACKWARD}::test_matches_reference"],
+      "dS without FlashAttention-2's D_i = rowsum(dO * O): the softmax Jacobian's second term dropped"),
+    m("backward-ds-unselected", "cuflash/backends/numpy.py",
+      [("    return ds_ij if visible is None else np.where(visible, ds_ij, 0)\n", "    return ds_ij\n")],
+      [f"{BACKWARD}::test_hidden_keys_get_zero_gradient_and_their_nan_never_leaks"],
+      "dS of hidden pairs weighted by P = 0 instead of selected away: a NaN hidden value leaks into dq and dk"),
+    m("backward-dk-unscaled", "cuflash/backends/numpy.py",
+      [("dk[keys] += scale * weighted_values(", "dk[keys] += weighted_values(")], [f"{BACKWARD}::test_matches_reference"],
+      "dK without the softmax scale"),
+    m("backward-broadcast-not-summed", "cuflash/api.py",
+      [("    axes = tuple(i for i, (size, full) in enumerate(zip(shape, x.shape)) if size == 1 and full != 1)\n",
+        "    axes = ()\n")], [f"{BACKWARD}::test_broadcast_axes_are_summed_and_shapes_kept"],
+      "a gradient of a broadcast operand keeps one group member's share instead of the group's sum"),
     # ---- the merge of split keys
     m("merge-unshifted", "cuflash/launch.py",
       [("weights = xp.exp(parts_lse - shift)", "weights = xp.exp(parts_lse)"),

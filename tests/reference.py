@@ -124,6 +124,7 @@ def score_condition(q, k, *, scale=None, causal=False, window=None, mask=None, b
 
 ABS_TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-4, "bfloat16": 2e-3}
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24}  # of the accumulation type
+EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def assert_accurate(result, q, k, v, *, lse=None, **options):
@@ -189,3 +190,145 @@ def result_dtype_name(q, k, v):
     if result == np.float16 and "bfloat16" in names:
         return "bfloat16"
     return result.name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gradients
+
+
+def reduce_to_shape(x, shape):
+    """x (a full-batch gradient) summed back to an operand of `shape` that NumPy broadcast to x.shape."""
+    padded = (1,) * (x.ndim - len(shape)) + tuple(shape)
+    axes = tuple(i for i, (a, b) in enumerate(zip(padded, x.shape)) if a == 1 and b != 1)
+    return np.add.reduce(x, axis=axes, keepdims=True).reshape(shape) if axes else x.reshape(shape)
+
+
+def attention_grads_reference(dout, q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None):
+    """(dq, dk, dv, dbias or None) in float64, row by row over the visible keys only (the textbook softmax
+    Jacobian: dS = P * (dP - sum(P * dP))), each summed back to its operand's shape."""
+    q, k, v, dout = (np.asarray(x).astype(np.float64) for x in (q, k, v, dout))
+    n, d = q.shape[-2:]
+    m, e = v.shape[-2:]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    vis = visible_pairs(n, m, causal, window, mask, bias)
+    b64 = None if bias is None else np.asarray(bias).astype(np.float64)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], vis.shape[:-2],
+                                () if b64 is None else b64.reshape((1,) * max(0, 2 - b64.ndim) + b64.shape).shape[:-2])
+    full = [np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v, dout)]
+    vis = np.broadcast_to(vis, batch + (n, m))
+    b_full = None if b64 is None else np.broadcast_to(b64, batch + (n, m))
+    dq, dk, dv = np.zeros(batch + (n, d)), np.zeros(batch + (m, d)), np.zeros(batch + (m, e))
+    dbias = np.zeros(batch + (n, m))
+    for b in np.ndindex(*batch):
+        qb, kb, vb, dob = (x[b] for x in full)
+        for i in range(n):
+            keys = np.flatnonzero(vis[b][i])
+            if keys.size == 0:
+                continue
+            s = scale * (kb[keys] @ qb[i]) + (0 if b_full is None else b_full[b][i][keys])
+            with np.errstate(invalid="ignore", over="ignore"):
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                dp = vb[keys] @ dob[i]
+                ds = p * (dp - (p * dp).sum())
+            dq[b][i] = scale * (ds @ kb[keys])
+            dk[b][keys] += scale * ds[:, None] * qb[i][None, :]
+            dv[b][keys] += p[:, None] * dob[i][None, :]
+            dbias[b][i][keys] = ds
+    grads = [reduce_to_shape(g, x.shape) for g, x in ((dq, q), (dk, k), (dv, v))]
+    return grads + [None if bias is None else reduce_to_shape(dbias, np.shape(bias))]
+
+
+def naive_grads_in_dtype(dout, q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None):
+    """Naive materialized backward with every intermediate (S, P, dP, dS, the gradients) rounded to the input
+    dtype, matmuls accumulating in float32 (float64 for float64): the error budget of the backward."""
+    dtype = np.dtype(result_dtype_name(q, k, v))
+    acc = np.float64 if dtype == np.float64 else np.float32
+    shapes = [np.shape(x) for x in (q, k, v)]
+    q, k, v, dout = (np.asarray(x).astype(dtype).astype(acc) for x in (q, k, v, dout))
+    n, d = q.shape[-2:]
+    m = k.shape[-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    vis = visible_pairs(n, m, causal, window, mask, bias)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        s = round_to(np.matmul(q, np.swapaxes(k, -1, -2)) * acc(scale), dtype)
+        if bias is not None:
+            s = round_to(s + np.asarray(bias).astype(acc), dtype)
+        s = np.where(vis, s, -np.inf)
+        top = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        w = np.exp(s - np.where(top == -np.inf, 0, top))
+        p = np.where(vis, round_to(w / w.sum(axis=-1, keepdims=True), dtype), 0)
+        dp = np.where(vis, round_to(np.matmul(dout, np.swapaxes(v, -1, -2)), dtype), 0)  # by selection
+        ds = np.where(vis, round_to(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), dtype), 0)
+        # Hidden pairs have dS = 0 exactly; a NaN in a hidden key must not turn that 0 into NaN (the forward's
+        # naive does the same with v).
+        dq = round_to(acc(scale) * np.matmul(ds, np.where(np.isfinite(k), k, 0)), dtype)
+        dk = round_to(acc(scale) * np.matmul(np.swapaxes(ds, -1, -2), np.where(np.isfinite(q), q, 0)), dtype)
+        dv = round_to(np.matmul(np.swapaxes(p, -1, -2), dout), dtype)
+    grads = [reduce_to_shape(g.astype(np.float64), shape) for g, shape in zip((dq, dk, dv), shapes)]
+    return grads + [None if bias is None else reduce_to_shape(ds.astype(np.float64), np.shape(bias))]
+
+
+def gradient_condition(dout, q, k, v, unit, o_unit, *, scale=None, causal=False, window=None, mask=None,
+                       bias=None):
+    """Per gradient, per element, the error that roundings no FlashAttention backward avoids can reach: dS_ij =
+    P_ij (dO_i.V_j - dO_i.O_i) is a difference of two dot products (FlashAttention-2's D_i = dO_i.O_i, with O
+    as the forward returned it, rounded to the dtype), so its error is about C_ij = P_ij (unit |dO_i|.|V_j| +
+    (unit + o_unit) |dO_i|.|O_i|); dQ, dK and dbias carry C through |K|, |Q| and as is, and dV = P^T dO carries
+    unit P^T |dO|. Finite parts only (non-finite rows are compared exactly)."""
+    def finite_abs(x):
+        return np.abs(np.nan_to_num(np.asarray(x).astype(np.float64), nan=0, posinf=0, neginf=0))
+    shapes = [np.shape(x) for x in (q, k, v)]
+    out, lse = attention_reference(q, k, v, scale=scale, causal=causal, window=window, mask=mask, bias=bias)
+    qa, ka, va, da, oa = (finite_abs(x) for x in (q, k, v, dout, out))
+    n, d = qa.shape[-2:]
+    m = ka.shape[-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    vis = visible_pairs(n, m, causal, window, mask, bias)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = np.matmul(np.asarray(q).astype(np.float64), np.swapaxes(np.asarray(k).astype(np.float64), -1, -2)) * scale
+        if bias is not None:
+            s = s + np.asarray(bias).astype(np.float64)
+        lse_safe = np.where(np.isfinite(lse), lse, np.inf)[..., None]
+        p = np.nan_to_num(np.where(vis, np.exp(s - lse_safe), 0), nan=0, posinf=0)
+    c = p * (unit * np.matmul(da, np.swapaxes(va, -1, -2)) + (unit + o_unit) * (da * oa).sum(axis=-1, keepdims=True))
+    dq = abs(scale) * np.matmul(c, ka)
+    dk = abs(scale) * np.matmul(np.swapaxes(c, -1, -2), qa)
+    dv = unit * np.matmul(np.swapaxes(p, -1, -2), da)
+    conds = [reduce_to_shape(g, shape) for g, shape in zip((dq, dk, dv), shapes)]
+    return conds + [None if bias is None else reduce_to_shape(np.broadcast_to(c, np.broadcast_shapes(
+        c.shape, np.shape(bias))), np.shape(bias))]
+
+
+def assert_grads_accurate(grads, dout, q, k, v, **options):
+    """The accuracy rule for gradients, per gradient array: NaN exactly where the float64 reference has NaN, and
+    elsewhere |grad - reference| <= 2 * (naive backward's largest error in the input dtype) + an absolute term:
+    ABS_TOL plus one rounding to the dtype (its epsilon), of the gradient's largest magnitude (at least 1), and
+    per element gradient_condition with four roundings in the accumulation type and one of O. The rounding of the result is the
+    one error every gradient in that dtype has (naive's may miss it on the element where a backend's is
+    largest); the cancellation in dS is the one every FlashAttention backward has (naive's P.dP form may cancel
+    exactly where dO.O does not, as with a single visible key)."""
+    refs = attention_grads_reference(dout, q, k, v, **options)
+    naives = naive_grads_in_dtype(dout, q, k, v, **options)
+    dtype = np.dtype(result_dtype_name(q, k, v))
+    unit = UNIT_ROUNDOFF["float64" if dtype == np.float64 else "float32"]
+    conds = gradient_condition(dout, q, k, v, 4 * unit, EPSILON[dtype.name] / 2, **options)
+    for name, grad, ref, naive, cond in zip(("dq", "dk", "dv", "dbias"), grads, refs, naives, conds):
+        if ref is None:
+            continue
+        grad = np.asarray(grad).astype(np.float64)
+        assert grad.shape == ref.shape, (name, grad.shape, ref.shape)
+        np.testing.assert_array_equal(np.isnan(grad), np.isnan(ref), err_msg=f"{name}: NaN differs from the reference")
+        finite = np.isfinite(ref)
+        np.testing.assert_array_equal(grad[~finite], ref[~finite], err_msg=f"{name}: non-finite entries differ")
+        naive_err = np.where(finite & np.isfinite(naive), np.abs(naive - ref), 0).max(initial=0)
+        magnitude = max(1.0, np.abs(np.where(finite, ref, 0)).max(initial=0))
+        atol = (ABS_TOL[dtype.name] + EPSILON[dtype.name]) * magnitude + cond
+        excess = np.where(finite, np.abs(grad - ref) - (2 * naive_err + atol), -np.inf)
+        if excess.size and excess.max() > 0:
+            at = np.unravel_index(np.argmax(excess), excess.shape)
+            raise AssertionError(f"{name}: error {abs(grad[at] - ref[at]):.3g} at {at} > 2 x naive {naive_err:.3g} + "
+                                 f"atol {atol[at]:.3g}")

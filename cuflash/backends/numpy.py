@@ -18,6 +18,7 @@ ARRAYS = "numpy"
 WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
 DEFAULT_BC = 512  # keys per tile: large enough that matmul, not Python, dominates
 TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibility and a where() result
+BACKWARD_TEMPS_PER_SCORE = 6  # the backward's: S, P, dO V^T, dS, the visibility and a where() result
 
 
 def unavailable():
@@ -36,13 +37,14 @@ def run(problem, out, lse, block=None):
             lse[index + (slice(i0, i1),)] = row_lse
 
 
-def tile_sizes(problem, block):
-    """(query rows per step, counting all batch items of the step; keys per tile)."""
+def tile_sizes(problem, block, temps=TEMPS_PER_SCORE):
+    """(query rows per step, counting all batch items of the step; keys per tile), for `temps` score-sized
+    temporaries alive at once."""
     if block is not None:
         br, bc = check_block(block)
         return br, bc
     bc = max(1, min(DEFAULT_BC, problem.m))
-    score_bytes = TEMPS_PER_SCORE * problem.acc_dtype.itemsize * bc
+    score_bytes = temps * problem.acc_dtype.itemsize * bc
     row_bytes = score_bytes + 3 * problem.acc_dtype.itemsize * (problem.d + problem.e)
     return max(1, WORKING_SET_BYTES // row_bytes), bc
 
@@ -142,7 +144,8 @@ def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
 
 def weighted_values(p_ij, v_j, visible):
     """P_ij @ V_j where hidden keys are removed by selection: a NaN or inf in a hidden value row must not
-    reach the output through 0 * inf. Finite tiles (the common case) take the plain matmul."""
+    reach the output through 0 * inf. Finite tiles (the common case) take the plain matmul. The backward uses it
+    for every product over a tile's keys or rows (visible then pairs the contraction index with the rows)."""
     finite = np.isfinite(v_j)
     if visible is None or finite.all():
         return np.matmul(p_ij, v_j)
@@ -155,3 +158,53 @@ def weighted_values(p_ij, v_j, visible):
             contribution = p_ij[..., :, j, None] * v_bad[..., None, :]  # (..., rows, e)
         result += np.where(visible[..., :, j, None], contribution, 0)
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backward pass
+
+
+def run_backward(problem, dout, out, lse, grads, block=None):
+    """FlashAttention-2's backward over the forward's tiles: per tile, P_ij = exp(S_ij - lse_i) is recomputed from
+    q, k and the saved lse (never stored), and
+
+        dV_j += P_ij^T dO_i,   dS_ij = P_ij * (dO_i V_j^T - D_i),   dQ_i += scale dS_ij K_j,   dK_j += scale dS_ij^T Q_i
+
+    with D_i = rowsum(dO_i * O_i) (FlashAttention-2's preprocessing). grads = (dq, dk, dv, dbias or None): arrays
+    over the whole batch in the accumulator type, zeroed, accumulated here in a fixed order (deterministic);
+    dbias_ij = dS_ij. Hidden pairs contribute nothing, by selection."""
+    dq, dk, dv, dbias = grads
+    acc = problem.acc_dtype
+    scale = acc.type(problem.scale)
+    rows_per_step, bc = tile_sizes(problem, block, BACKWARD_TEMPS_PER_SCORE)
+    item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
+    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
+        rows = index + (slice(i0, i1),)
+        q_i = problem.q[rows].astype(acc)
+        do_i = dout[rows].astype(acc)
+        lse_i = lse[rows].astype(acc)
+        shift = np.where(lse_i == -np.inf, 0, lse_i)[..., None]  # a row that sees nothing: P = exp(-inf) = 0
+        with np.errstate(invalid="ignore"):
+            delta = (do_i * out[rows].astype(acc)).sum(axis=-1)[..., None]
+        j_start, j_stop = problem.key_range(i0, i1)
+        for j0 in range(j_start, j_stop, bc):
+            j1 = min(j_stop, j0 + bc)
+            keys = index + (slice(j0, j1),)
+            s_ij, visible = tile_scores(problem, index, q_i * scale, i0, i1, j0, j1)
+            p_ij = np.exp(s_ij - shift)
+            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
+            hidden_t = None if visible is None else np.swapaxes(visible, -1, -2)
+            dv[keys] += weighted_values(np.swapaxes(p_ij, -1, -2), do_i, hidden_t)
+            dq[rows] += scale * weighted_values(ds_ij, problem.k[keys].astype(acc, copy=False), visible)
+            dk[keys] += scale * weighted_values(np.swapaxes(ds_ij, -1, -2), q_i, hidden_t)
+            if dbias is not None:
+                dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
+
+
+def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
+    """dS_ij = P_ij * (dO_i V_j^T - D_i), zero for hidden pairs by selection (a NaN in a hidden value row makes
+    dO_i V_j^T NaN there)."""
+    v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
+    with np.errstate(invalid="ignore"):
+        ds_ij = p_ij * (np.matmul(do_i, np.swapaxes(v_j, -1, -2)) - delta)
+    return ds_ij if visible is None else np.where(visible, ds_ij, 0)

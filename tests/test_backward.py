@@ -1,0 +1,154 @@
+"""cuflash.attention_backward on the numpy backend: gradients against an independent float64 reference (itself
+checked by finite differences), over the forward's input space drawn by hypothesis; broadcast axes summed;
+hidden keys with exactly zero gradient; bitwise determinism; errors in NumPy's words."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import cuflash
+from reference import assert_grads_accurate, attention_grads_reference, attention_reference
+from strategies import cases, randn
+
+OPTIONS = ("scale", "causal", "window", "mask", "bias")
+
+
+def forward_and_backward(q, k, v, dout=None, seed=0, backend="numpy", bias_grad=False, **options):
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend=backend, **options)
+    if dout is None:
+        dout = randn(seed, out.shape, np.float64).astype(out.dtype)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend=backend, bias_grad=bias_grad, **options)
+    return dout, grads
+
+
+@given(cases(lengths=(1, 5, 33, 70), head_dims=(1, 8, 33)))
+@settings(max_examples=200)
+def test_matches_reference(case):
+    options = {key: case.options[key] for key in OPTIONS if key in case.options}
+    bias_grad = options.get("bias") is not None
+    dout, grads = forward_and_backward(case.q, case.k, case.v, bias_grad=bias_grad, **options)
+    assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
+
+
+@given(cases(lengths=(3, 20), key_lengths=(600, 1100), head_dims=(4, 16), max_batch_dims=1))
+@settings(max_examples=8)
+def test_several_key_tiles(case):
+    """Past the backend's 512-key tile: dQ accumulates over key tiles, dK and dV over query tiles."""
+    options = {key: case.options[key] for key in OPTIONS if key in case.options}
+    dout, grads = forward_and_backward(case.q, case.k, case.v, **options)
+    assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
+
+
+def numeric_gradient(f, x, eps=1e-6):
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[index] += eps
+        down[index] -= eps
+        grad[index] = (f(up) - f(down)) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (2, 1)}, {"bias": "bias"},
+                                     {"mask": "mask", "causal": True}])
+def test_reference_agrees_with_finite_differences(options):
+    """The gradient reference itself, against central differences of the float64 forward reference, with
+    grouped-query broadcasting (k, v shared by two query heads) and a bias broadcast over the heads."""
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, (2, 4, 3), np.float64), randn(rng, (1, 6, 3), np.float64), randn(rng, (1, 6, 2), np.float64)
+    options = dict(options)
+    if options.get("bias") == "bias":
+        options["bias"] = randn(rng, (4, 6), np.float64)
+    if options.get("mask") == "mask":
+        options["mask"] = rng.random((2, 4, 6)) < 0.7
+    dout = randn(rng, (2, 4, 2), np.float64)
+
+    def loss(**changed):
+        args = {"q": q, "k": k, "v": v, **changed}
+        out = attention_reference(args["q"], args["k"], args["v"], **{**options, **changed.get("opts", {})})[0]
+        return float((out * dout).sum())
+
+    dq, dk, dv, dbias = attention_grads_reference(dout, q, k, v, **options)
+    np.testing.assert_allclose(dq, numeric_gradient(lambda x: loss(q=x), q), atol=1e-7)
+    np.testing.assert_allclose(dk, numeric_gradient(lambda x: loss(k=x), k), atol=1e-7)
+    np.testing.assert_allclose(dv, numeric_gradient(lambda x: loss(v=x), v), atol=1e-7)
+    if dbias is not None:
+        numeric = numeric_gradient(lambda x: loss(opts={"bias": x}), options["bias"])
+        np.testing.assert_allclose(dbias, numeric, atol=1e-7)
+
+
+def test_broadcast_axes_are_summed_and_shapes_kept():
+    """Grouped-query attention by broadcasting: dk and dv have k's and v's own (2, 1, m, d) shapes, the sums over
+    each group's query heads; a bias broadcast over batch and heads gets one (n, m) gradient."""
+    rng = np.random.default_rng(4)
+    q = randn(rng, (2, 4, 9, 8), np.float32)
+    k, v = randn(rng, (2, 1, 11, 8), np.float32), randn(rng, (2, 1, 11, 5), np.float32)
+    bias = randn(rng, (9, 11), np.float32)
+    dout, (dq, dk, dv, dbias) = forward_and_backward(q, k, v, bias=bias, bias_grad=True, causal=True)
+    assert (dq.shape, dk.shape, dv.shape, dbias.shape) == (q.shape, k.shape, v.shape, bias.shape)
+    assert {x.dtype for x in (dq, dk, dv, dbias)} == {np.dtype(np.float32)}
+    assert_grads_accurate((dq, dk, dv, dbias), dout, q, k, v, bias=bias, causal=True)
+    # the same as per-head copies, summed by hand
+    copies = forward_and_backward(q, np.repeat(k, 4, axis=1), np.repeat(v, 4, axis=1), dout=dout, bias=bias,
+                                  causal=True)[1]
+    np.testing.assert_allclose(dk, copies[1].sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
+def test_hidden_keys_get_zero_gradient_and_their_nan_never_leaks():
+    rng = np.random.default_rng(5)
+    q, k, v = randn(rng, (6, 4)), randn(rng, (9, 4)), randn(rng, (9, 3))
+    mask = np.ones((6, 9), bool)
+    mask[:, 7] = False  # key 7 hidden from every row
+    bias = np.zeros((6, 9), np.float32)
+    bias[:, 8] = -np.inf  # key 8 hidden by the bias
+    mask[2] = False  # row 2 sees nothing
+    k[7], v[7], k[8], v[8] = np.nan, np.inf, np.inf, np.nan
+    dout, (dq, dk, dv) = forward_and_backward(q, k, v, mask=mask, bias=bias)
+    assert (dk[7:] == 0).all() and (dv[7:] == 0).all()
+    assert (dq[2] == 0).all()
+    assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+    assert_grads_accurate((dq, dk, dv), dout, q, k, v, mask=mask, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64])
+def test_deterministic_bit_for_bit(dtype):
+    rng = np.random.default_rng(6)
+    q, k, v = randn(rng, (3, 2, 40, 16), dtype), randn(rng, (3, 1, 700, 16), dtype), randn(rng, (3, 1, 700, 8), dtype)
+    dout, first = forward_and_backward(q, k, v, causal=True)
+    _, second = forward_and_backward(q, k, v, dout=dout, causal=True)
+    for a, b in zip(first, second):
+        assert a.dtype == np.dtype(dtype)
+        assert a.tobytes() == b.tobytes()
+    assert_grads_accurate(first, dout, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("shapes", [((0, 4), (5, 4), (5, 3)), ((4, 4), (0, 4), (0, 3)), ((4, 0), (5, 0), (5, 3)),
+                                    ((0, 3, 4), (0, 5, 4), (0, 5, 2))])
+def test_empty_sizes(shapes):
+    """No queries, no keys, d = 0 (every score 0: P uniform, so dv is not 0) or an empty batch."""
+    rng = np.random.default_rng(7)
+    q, k, v = (randn(rng, shape) for shape in shapes)
+    dout, grads = forward_and_backward(q, k, v)
+    assert [grad.shape for grad in grads] == [x.shape for x in (q, k, v)]
+    assert_grads_accurate(grads, dout, q, k, v)
+    if 0 in q.shape[:-1] + k.shape[:-1]:  # nothing attends: every gradient is exactly 0
+        assert all((grad == 0).all() for grad in grads)
+
+
+def test_errors_say_what_was_wrong():
+    rng = np.random.default_rng(8)
+    q, k, v = randn(rng, (5, 4)), randn(rng, (6, 4)), randn(rng, (6, 3))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"dout has shape \(5, 4\) but the forward call's result has shape \(5, 3\)"):
+        cuflash.attention_backward(np.zeros((5, 4), np.float32), q, k, v, out, lse)
+    with pytest.raises(ValueError, match=r"lse has shape \(5, 1\) but the forward call's lse has shape \(5,\)"):
+        cuflash.attention_backward(out, q, k, v, out, lse[:, None])
+    with pytest.raises(TypeError, match="out must be a real floating array"):
+        cuflash.attention_backward(out, q, k, v, out.astype(np.int32), lse)
+    with pytest.raises(ValueError, match="bias_grad=True asks for the gradient of the bias, but no bias= was given"):
+        cuflash.attention_backward(out, q, k, v, out, lse, bias_grad=True)
+    with pytest.raises(TypeError, match="bias_grad must be True or False"):
+        cuflash.attention_backward(out, q, k, v, out, lse, bias_grad="yes")
+    with pytest.raises(cuflash.BackendUnavailableError, match="backend 'simt' has no backward pass yet"):
+        cuflash.attention_backward(out, q, k, v, out, lse, backend="simt")
