@@ -6,6 +6,7 @@ what to install, instead of letting whole modules skip and the suite go green on
 Set CUFLASH_TESTS_ALLOW_MISSING=1 to run what can run anyway."""
 
 import importlib.metadata
+import importlib.util
 import os
 import sys
 
@@ -52,6 +53,8 @@ def missing_tools() -> list:
             missing.append("cuda_fp16.h for NVRTC (pip install -e '.[cuda12]', which brings nvidia-cuda-runtime-cu12)")
     except Exception as exc:  # no CuPy, or no NVRTC library
         missing.append(f"NVRTC through CuPy ({type(exc).__name__}: {exc}); pip install -e '.[test,cuda12]'")
+    if importlib.util.find_spec("torch") is None:
+        missing.append("PyTorch, for the cuflash.torch adapter's tests (pip install -e '.[test]' pins the CPU build)")
     return missing
 
 

@@ -1,0 +1,168 @@
+"""cuflash.torch: cuflash.attention on torch tensors, differentiable, and opaque to torch.compile.
+
+    from cuflash.torch import attention
+    out = attention(q, k, v, causal=True)        # q, k, v: torch tensors; out.backward(...) gives q.grad, ...
+
+CPU tensors run on the numpy backend and CUDA tensors on the cupy backend (on torch's current stream), both
+without copies: CPU tensors are viewed as NumPy arrays, CUDA tensors exchanged by DLPack. The forward and the
+backward are torch.library custom operators (cuflash::attention_forward, cuflash::attention_backward) with fake
+tensor rules, so torch.compile traces them as single opaque nodes. Only the front door is called: this module
+translates tensors and nothing else.
+
+The backward runs where cuflash.attention_backward runs: on the numpy backend so far (CUDA tensors raise
+BackendUnavailableError at backward time until the CUDA backward kernels exist). lse, when returned, is not
+differentiable.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import api
+from .dtypes import bfloat16, common_dtype
+
+__all__ = ["attention"]
+
+NAME = "cuflash.torch.attention"
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+              causal: bool = False, window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+              mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, return_lse: bool = False):
+    """cuflash.attention with the same keywords, on torch tensors (all on one device); differentiable in q, k,
+    v and bias. Returns out, or (out, lse) with return_lse=True."""
+    left, right = (None, None) if window is None else window
+    scale = None if scale is None else float(scale)
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensors <-> arrays, without copies
+
+
+def to_array(t: Optional[torch.Tensor]):
+    """A NumPy view of a CPU tensor (bfloat16 as ml_dtypes.bfloat16), or a CuPy array sharing a CUDA tensor's
+    memory (DLPack); None stays None."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.device.type == "cuda":
+        import cupy
+        return cupy.from_dlpack(t)
+    if t.device.type != "cpu":
+        raise TypeError(f"{NAME}: tensors on {t.device.type} are not supported: use CPU or CUDA tensors")
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(bfloat16)
+    return t.numpy()
+
+
+def to_tensor(x, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.from_dlpack(x)
+    if x.dtype == bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def on_stream(device: torch.device):
+    """The CuPy stream of torch's current stream on a CUDA device (nothing to do on the CPU)."""
+    import contextlib
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    import cupy
+    return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+
+
+# Torch's dtypes and NumPy's (ml_dtypes' bfloat16), as a table: the fake rules run where no tensor has data.
+DTYPES = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(bfloat16), torch.float32: np.dtype(np.float32),
+          torch.float64: np.dtype(np.float64), torch.bool: np.dtype(np.bool_), torch.int8: np.dtype(np.int8),
+          torch.uint8: np.dtype(np.uint8), torch.int16: np.dtype(np.int16), torch.int32: np.dtype(np.int32),
+          torch.int64: np.dtype(np.int64)}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    if dtype not in DTYPES:
+        raise TypeError(f"{NAME}: tensors of {dtype} are not supported: use a float dtype")
+    return DTYPES[dtype]
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return next(t for t, n in DTYPES.items() if n == dtype)
+
+
+def options(mask, bias, scale, causal, left, right) -> dict:
+    window = None if left is None and right is None else (left, right)
+    return {"mask": to_array(mask), "bias": to_array(bias), "scale": scale, "causal": causal, "window": window}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The operators
+
+
+@torch.library.custom_op("cuflash::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                      bias: Optional[torch.Tensor], scale: Optional[float], causal: bool, left: Optional[int],
+                      right: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    with on_stream(q.device):
+        out, lse = api.attention(to_array(q), to_array(k), to_array(v), return_lse=True,
+                                 **options(mask, bias, scale, causal, left, right))
+    return to_tensor(out, q.device), to_tensor(lse, q.device)
+
+
+@attention_forward.register_fake
+def _(q, k, v, mask, bias, scale, causal, left, right):
+    dtype = common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME)
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]] + [pair_batch(x) for x in (mask, bias) if x is not None]
+    batch = tuple(torch.broadcast_shapes(*shapes))
+    lse_dtype = torch.float64 if dtype == np.float64 else torch.float32
+    return (q.new_empty(batch + (q.shape[-2], v.shape[-1]), dtype=torch_dtype(dtype)),
+            q.new_empty(batch + (q.shape[-2],), dtype=lse_dtype))
+
+
+def pair_batch(x: torch.Tensor) -> Tuple[int, ...]:
+    """The batch part of a mask or bias of shape (*batch, n, m), left-padded to two dims as NumPy would."""
+    return tuple(x.shape)[:-2] if x.dim() >= 2 else ()
+
+
+@torch.library.custom_op("cuflash::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                       scale: Optional[float], causal: bool, left: Optional[int], right: Optional[int],
+                       bias_grad: bool) -> List[torch.Tensor]:
+    with on_stream(q.device):
+        grads = api.attention_backward(to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out),
+                                       to_array(lse), bias_grad=bias_grad,
+                                       **options(mask, bias, scale, causal, left, right))
+    return [to_tensor(g, q.device) for g in grads]
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, mask, bias, scale, causal, left, right, bias_grad):
+    dtype = torch_dtype(common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME))
+    operands = (q, k, v) + ((bias,) if bias_grad else ())
+    return [x.new_empty(x.shape, dtype=dtype) for x in operands]
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, mask, bias, scale, causal, left, right = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+    ctx.params = (scale, causal, left, right)
+
+
+def backward(ctx, dout, _dlse):
+    q, k, v, mask, bias, out, lse = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[4]
+    grads = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, mask, bias, *ctx.params, bias_grad)
+    # Autograd wants each gradient in its input's dtype; cuflash gives the forward's result dtype.
+    dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+    dbias = grads[3].to(bias.dtype) if bias_grad else None
+    return dq, dk, dv, None, dbias, None, None, None, None
+
+
+attention_forward.register_autograd(backward, setup_context=setup_context)

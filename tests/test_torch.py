@@ -1,0 +1,114 @@
+"""cuflash.torch: the differentiable adapter on CPU tensors (the numpy backend) against torch's own attention and
+the float64 reference; gradcheck in float64; bfloat16 and broadcasting without copies; torch.compile tracing
+the operators as opaque nodes."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")  # conftest stops the run when the test extra is installed without torch
+
+import cuflash.torch as ct  # noqa: E402
+from reference import assert_accurate, assert_grads_accurate  # noqa: E402
+
+
+def tensors(shapes, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_() for shape in shapes]
+
+
+def as_numpy(t):
+    t = t.detach()
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def test_gradcheck_in_float64():
+    q, k, v = tensors([(2, 3, 4), (2, 5, 4), (2, 5, 3)], torch.float64)
+    bias = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v, b: ct.attention(q, k, v, bias=b, causal=True),
+                                    (q, k, v, bias))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_torch_attention_and_its_gradients(causal):
+    q, k, v = tensors([(2, 4, 33, 16), (2, 4, 40, 16), (2, 4, 40, 16)])
+    out = ct.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    grads = [x.grad.clone() for x in (q, k, v)]
+    q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    # torch's causal mask is top-left aligned; cuflash's bottom-right: the same here written as a window.
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q2, k2, v2, attn_mask=torch.ones(33, 40, dtype=torch.bool).tril(40 - 33) if causal else None)
+    expected.backward(dout)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_query_bias_and_mask_gradients_against_the_reference():
+    """k and v shared by 4 query heads (broadcast, never copied): their gradients are the sums over the group;
+    the bias gradient has the bias's own shape; a masked key gets none."""
+    q, k, v = tensors([(2, 4, 9, 8), (2, 1, 11, 8), (2, 1, 11, 5)])
+    bias = torch.randn(9, 11, requires_grad=True)
+    mask = torch.rand(2, 1, 9, 11, generator=torch.Generator().manual_seed(1)) < 0.8
+    mask[..., 3] = False
+    out = ct.attention(q, k, v, bias=bias, mask=mask, window=(None, 2))
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert [x.grad.shape for x in (q, k, v, bias)] == [x.shape for x in (q, k, v, bias)]
+    assert (k.grad[..., 3, :] == 0).all() and (v.grad[..., 3, :] == 0).all()
+    arrays = [as_numpy(x) for x in (q, k, v)]
+    options = {"bias": as_numpy(bias), "mask": mask.numpy(), "window": (None, 2)}
+    assert_accurate(as_numpy(out), *arrays, **options)
+    assert_grads_accurate([as_numpy(x.grad) for x in (q, k, v, bias)], as_numpy(dout), *arrays, **options)
+
+
+def test_bfloat16_and_return_lse():
+    q, k, v = tensors([(3, 20, 16), (3, 30, 16), (3, 30, 16)], torch.bfloat16)
+    out, lse = ct.attention(q, k, v, return_lse=True, scale=0.3)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and not lse.requires_grad
+    out.float().sum().backward()
+    assert all(x.grad.dtype == torch.bfloat16 for x in (q, k, v))
+    arrays = [as_numpy(x) for x in (q, k, v)]
+    assert_accurate(as_numpy(out), *arrays, lse=lse.numpy(), scale=0.3)
+    dout = np.ones(out.shape, dtype=ml_dtypes.bfloat16)
+    assert_grads_accurate([as_numpy(x.grad) for x in (q, k, v)], dout, *arrays, scale=0.3)
+
+
+def test_forward_shares_memory_with_the_tensors():
+    """No copies on the way in: a strided view of a tensor is read in place (its other elements are NaN)."""
+    base = torch.full((2, 10, 16), float("nan"))
+    base[:, ::2] = torch.randn(2, 5, 16)
+    q = base[:, ::2]
+    out = ct.attention(q, q, q)
+    assert torch.isfinite(out).all()
+    assert_accurate(out.numpy(), *(q.numpy(),) * 3)
+
+
+def test_torch_compile_traces_the_operators():
+    q, k, v = tensors([(2, 6, 8), (2, 7, 8), (2, 7, 8)])
+
+    def loss(q, k, v):
+        return (ct.attention(q, k, v, causal=True) ** 2).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    value = compiled(q, k, v)
+    value.backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    eager = loss(q, k, v)
+    eager.backward()
+    torch.testing.assert_close(value, eager)
+    for got, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, x.grad)
+
+
+def test_fake_tensors_give_the_result_shapes_and_dtypes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(2, 1, 5, 8, dtype=torch.float16)
+        k = torch.empty(3, 7, 8, dtype=torch.float32)
+        out, lse = torch.ops.cuflash.attention_forward(q, k, k, None, None, None, False, None, None)
+        assert out.shape == (2, 3, 5, 8) and out.dtype == torch.float32 and lse.shape == (2, 3, 5)
