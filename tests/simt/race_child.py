@@ -70,6 +70,35 @@ def case_clean_reductions():
     assert counter.tolist() == [192, 192], counter
 
 
+def blocks():
+    return simt_util.module("blocks.cu", mode="race")
+
+
+def case_blocks_same_output():
+    x = np.arange(128, dtype=np.float32)
+    blocks().get_function("blocks_same_output")((2,), (64,), (x, np.zeros(64, np.float32)))
+
+
+def case_blocks_read_other():
+    x = np.arange(128, dtype=np.float32)
+    blocks().get_function("blocks_read_other")((2,), (64,), (x, np.zeros(128, np.float32), np.zeros(128, np.float32)))
+
+
+def case_clean_blocks():
+    """The fixed twins, in every schedule and twice in a row (each launch ordered after the last)."""
+    x = np.random.default_rng(4).standard_normal(4 * 64).astype(np.float32)
+    for schedule in ("forward", "reverse", 9, 9):
+        out, prev = np.zeros(256, np.float32), np.zeros(256, np.float32)
+        blocks().get_function("blocks_disjoint")((4,), (64,), (x, out, prev), seed=schedule)
+        np.testing.assert_array_equal(out, 2 * x)
+        want = np.roll(np.concatenate([np.zeros(64, np.float32), 2 * x[:192]]).reshape(4, 64), -1, axis=1)
+        np.testing.assert_array_equal(prev, want.ravel())
+        total, count = np.zeros(1, np.float32), np.zeros(1, np.int32)
+        blocks().get_function("blocks_atomic_sum")((4,), (64,), (x, total, count), shared_mem=64 * 4, seed=schedule)
+        np.testing.assert_allclose(total[0], x.sum(), rtol=1e-5, atol=1e-4)
+        assert count[0] == 256, count
+
+
 def case_clean_ptx():
     simt_util.check_ptx_kernels("race")
 

@@ -43,22 +43,30 @@ def test_shuffle_reduction(mod, block):
 
 
 def shfl_reference(values, args, mode, width):
-    """PTX shfl.sync per lane, from the CUDA documentation's rules."""
+    """PTX shfl.sync per lane, following the ISA's pseudocode: only b[4:0] of the lane or delta operand counts,
+    and CUDA's width gives c = ((32 - width) << 8) | (0 for up, 31 otherwise)."""
     out = np.empty_like(values)
+    segmask = (32 - width) & 31
+    cval = 0 if mode == 1 else 31
     for w in range(len(values) // 32):
         v, a = values[32 * w:32 * w + 32], args[32 * w:32 * w + 32]
         for lane in range(32):
-            base = lane - lane % width
+            bval = int(a[lane]) & 31
+            max_lane = (lane & segmask) | (cval & ~segmask)
+            min_lane = lane & segmask
             if mode == 0:
-                src = base + a[lane] % width
+                j = min_lane | (bval & ~segmask)
+                ok = j <= max_lane
             elif mode == 1:
-                src = lane - a[lane] if lane - a[lane] >= base else lane
+                j = lane - bval
+                ok = j >= max_lane
             elif mode == 2:
-                src = lane + a[lane] if lane + a[lane] < base + width else lane
+                j = lane + bval
+                ok = j <= max_lane
             else:
-                src = lane ^ a[lane]
-                src = src if src < base + width else lane  # later segments are out of reach
-            out[32 * w + lane] = v[src]
+                j = lane ^ bval
+                ok = j <= max_lane
+            out[32 * w + lane] = v[j if ok else lane]
     return out
 
 
@@ -76,6 +84,27 @@ def test_every_shuffle_against_numpy(mod, dtype, mode, width):
     mod.get_function(f"shuffle<{ctype}>")((2,), (32,), (values, args, out, np.int32(mode), np.int32(width)),
                                           seed=mode)
     np.testing.assert_array_equal(out, shfl_reference(values, args, mode, width))
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+@pytest.mark.parametrize("width", [32, 16, 4, 1])
+def test_shuffle_operands_count_only_their_low_five_bits(mod, mode, width):
+    """Lanes and deltas of 32 and more, negative ones and ones of 2^31 and more (the emulator once used the
+    whole value: an up-shuffle by 33 returned the lane's own value, a huge delta indexed past the warp)."""
+    big = [32, 33, 47, 63, 64, 95, -1, -31, -32, -33, 2**31 - 1, -2**31, 2**31 - 31, 1 << 20, 1 << 5, 36]
+    args = np.array((big * 4)[:64], np.int64).astype(np.int32)  # 2^31 and more arrive as negative ints
+    values = np.arange(64, dtype=np.int32) * 7 + 1
+    out = np.zeros_like(values)
+    mod.get_function("shuffle<int>")((2,), (32,), (values, args, out, np.int32(mode), np.int32(width)), seed=mode)
+    np.testing.assert_array_equal(out, shfl_reference(values, args, mode, width))
+
+
+def test_shuffle_up_by_33_is_up_by_one(mod):
+    values = np.arange(32, dtype=np.int32) + 100
+    out = np.zeros_like(values)
+    mod.get_function("shuffle<int>")((1,), (32,), (values, np.full(32, 33, np.int32), out, np.int32(1),
+                                                   np.int32(32)))
+    np.testing.assert_array_equal(out, np.concatenate([[100], values[:-1]]))
 
 
 def test_votes(mod):

@@ -1,5 +1,6 @@
-"""Race mode: the ThreadSanitizer build reports shared-memory races between a block's threads with the kernel's
-lines, and stays silent on correct kernels (reductions, shuffles, mma/ldmatrix/cp.async, the forward kernels).
+"""Race mode: the ThreadSanitizer build reports shared-memory races between a block's threads and global-memory
+races between the blocks of a launch with the kernel's lines, and stays silent on correct kernels (reductions,
+disjoint outputs, atomics across blocks, shuffles, mma/ldmatrix/cp.async, the forward kernels).
 
 TSan must be preloaded into Python and ends the process at its first report (exit status 66), so every case runs
 in a child Python (race_child.py) and the parent reads the verdict from its exit status and stderr."""
@@ -50,11 +51,28 @@ def test_race_mode_reports_shared_memory_races_with_the_kernel_lines(case, kerne
     assert f"SUMMARY: ThreadSanitizer: data race racy.cu:{marker_line(current)} in {kernel}" in r.stderr, r.stderr
     assert re.search(rf"Previous (write|read) .*\n\s+#0 {kernel} racy\.cu:{marker_line(previous)}\b", r.stderr), \
         r.stderr
-    assert "'CUDA thread (0,0,0) of block (0,0,0)'" in r.stderr and "'CUDA thread (1,0,0) of block (0,0,0)'" \
-        in r.stderr, r.stderr
+    assert f"'block (0,0,0) thread (0,0,0) of {kernel}'" in r.stderr and \
+        f"'block (0,0,0) thread (1,0,0) of {kernel}'" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("case", ["clean_reductions", "clean_ptx", "clean_attention"])
+@pytest.mark.parametrize("case,current,previous", [
+    # blocks 0 and 1 both write out[0, 64): the same thread of each, on the same line
+    ("blocks_same_output", "SAME_WRITE", "SAME_WRITE"),
+    # block 1 reads out[0, 64), which block 0 wrote
+    ("blocks_read_other", "OTHER_READ", "OTHER_WRITE"),
+])
+def test_race_mode_reports_global_memory_races_between_blocks(case, current, previous):
+    r = run_child(case)
+    assert r.returncode == 66, r.stdout + r.stderr[-6000:]
+    line = {m: simt_util.site("blocks.cu", m).pattern for m in (current, previous)}
+    assert re.search(rf"SUMMARY: ThreadSanitizer: data race {line[current]} in {case}", r.stderr), r.stderr
+    assert re.search(rf"Previous (write|read) .*\n\s+#0 {case} {line[previous]}", r.stderr), r.stderr
+    # the report names both blocks (blocks run in order: block 1 finds block 0's access)
+    for block in ("(1,0,0)", "(0,0,0)"):
+        assert f"'block {block} thread (0,0,0) of {case}'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("case", ["clean_reductions", "clean_blocks", "clean_ptx", "clean_attention"])
 def test_race_mode_is_silent_on_correct_kernels(case):
     r = run_child(case)
     assert r.returncode == 0 and f"CLEAN {case}" in r.stdout, r.stdout + r.stderr[-6000:]

@@ -164,8 +164,8 @@ template <ShflMode M> inline void run_shfl(void* const* lanes, unsigned mask) {
     bool ok;
     switch (M) {
       case IDX: j = min_lane | (b & 31 & ~seg); ok = j <= max_lane; break;
-      case UP: j = lane - b; ok = j >= max_lane; break;
-      case DOWN: j = lane + b; ok = j <= max_lane; break;
+      case UP: j = lane - (b & 31); ok = j >= max_lane; break;  // PTX reads only b[4:0]
+      case DOWN: j = lane + (b & 31); ok = j <= max_lane; break;
       default: j = lane ^ (b & 31); ok = j <= max_lane; break;
     }
     if (!ok) j = lane;

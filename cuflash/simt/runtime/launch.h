@@ -116,6 +116,7 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
 #if defined(CUFLASH_SIMT_RACE)
   __tsan_acquire(L.race_end);  // the host reads the outputs after every block
   race_drop(L.race_end);
+  race_retire(L, 0);
 #endif
   if (!L.failed) return 0;
   std::snprintf(err, (size_t)errlen, "%s", L.error.c_str());

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -54,6 +55,8 @@ void __tsan_release(void* addr);
 void __tsan_ignore_thread_begin(void);
 void __tsan_ignore_thread_end(void);
 void __tsan_read_range(void* addr, unsigned long size);
+void __tsan_java_alloc(unsigned long addr, unsigned long size);
+void __tsan_java_free(unsigned long addr, unsigned long size);
 }
 #endif
 

@@ -175,6 +175,19 @@ inline void install_overflow_handler() {
 #endif
 }
 
+#if defined(CUFLASH_SIMT_RACE)
+// A later block's report names the earlier access's thread and stack only while that thread's TSan fiber
+// lives (TSan reuses a dead one's record), so finished blocks' fibers live on, up to this many, until the
+// launch ends; older ones go first.
+constexpr size_t kRaceKeptFibers = 4096;
+inline void race_retire(Launch& L, size_t keep) {
+  while (L.race_retired.size() > keep) {
+    __tsan_destroy_fiber(L.race_retired.front());
+    L.race_retired.pop_front();
+  }
+}
+#endif
+
 inline void run_block(Block& b, StackSet& stacks) {
   Launch& L = *b.launch;
   unsigned n = L.nthreads;
@@ -189,6 +202,9 @@ inline void run_block(Block& b, StackSet& stacks) {
     w.arrived = w.exited = 0;
   }
   if (b.dyn && L.dyn_bytes) std::memset(b.dyn, 0xff, L.dyn_bytes);  // poison: NaN for floating types
+#if defined(CUFLASH_SIMT_RACE)
+  if (b.dyn) race_fresh(b.dyn, L.dyn_bytes);  // each block's own on a GPU (static __shared__: shared_fresh)
+#endif
   for (unsigned i = 0; i < n; i++) {
     Fiber& f = b.fibers[i];
     Stack& st = stacks.stacks[i];
@@ -214,11 +230,14 @@ inline void run_block(Block& b, StackSet& stacks) {
     size_t stagger = (size_t)i * 448 % 4096;
     f.ctx.init(st.lo, st.size - stagger, &fiber_main, &f);
 #if defined(CUFLASH_SIMT_RACE)
-    // A fresh TSan fiber per CUDA thread and block, ordered after everything the caller and the blocks before
-    // did (creation synchronizes), entered with its accesses ignored (see fiber_main).
+    // A fresh TSan fiber per CUDA thread and block, ordered after what the caller did before the launch
+    // (creation synchronizes; the caller acquires no block's end before the launch's), entered with its
+    // accesses ignored (see fiber_main). Its stack held another block's frames: fresh for this one.
+    race_fresh(st.lo, st.size);
     f.tsan = __tsan_create_fiber(0);
-    __tsan_set_fiber_name(f.tsan, format("CUDA thread (%u,%u,%u) of block (%u,%u,%u)", f.tid.x, f.tid.y, f.tid.z,
-                                         b.idx.x, b.idx.y, b.idx.z).c_str());
+    // Block first, kernel last: TSan keeps 63 characters of a name, and the report's frames name the kernel.
+    __tsan_set_fiber_name(f.tsan, format("block (%u,%u,%u) thread (%u,%u,%u) of %s", b.idx.x, b.idx.y,
+                                         b.idx.z, f.tid.x, f.tid.y, f.tid.z, L.kernel).c_str());
     race_switch(f.tsan);
     __tsan_ignore_thread_begin();
     f.tsan_ignores = 1;
@@ -257,10 +276,9 @@ inline void run_block(Block& b, StackSet& stacks) {
   }
 #endif
 #if defined(CUFLASH_SIMT_RACE)
-  // Whatever the block's threads did (exited or abandoned by a failure) is ordered before the next block and
-  // the launch's return. Blocks that follow one another on the same shared memory, stacks and queues must be
-  // ordered: this TSan offers no way to forget an address's past accesses (its AnnotateNewMemory does not
-  // reset them). The price: races between blocks of one launch go unreported.
+  // Whatever the block's threads did (exited or abandoned by a failure) is ordered before the launch's return
+  // (launch() acquires race_end), but not before the next block: blocks of a launch may run in any order or
+  // at once on a GPU, so two of them touching the same global bytes (not through atomics) is a race.
   void* sched = tl.tsan_sched;
   for (Fiber& f : b.fibers) {
     int ignores = f.tsan_ignores;  // 1, more if it failed inside the runtime; TSan destroys no fiber that ignores
@@ -269,9 +287,10 @@ inline void run_block(Block& b, StackSet& stacks) {
     while (ignores-- > 0) __tsan_ignore_thread_end();
     __tsan_release(L.race_end);  // after the ignores end, so that it also covers this fiber's reads just above
     race_switch(sched);
-    __tsan_destroy_fiber(f.tsan);
+    L.race_retired.push_back(f.tsan);
     f.tsan = nullptr;
   }
+  race_retire(L, kRaceKeptFibers);
   race_drop(b.bar_sync);  // episodes a failure left open
   for (Warp& w : b.warps)
     for (unsigned l = 0; l < 32; l++) {
@@ -282,7 +301,6 @@ inline void run_block(Block& b, StackSet& stacks) {
           if (a.sync == s) a.sync = nullptr;
       std::free(s);
     }
-  __tsan_acquire(L.race_end);
 #endif
   tl.fiber = nullptr;
 }

@@ -28,6 +28,9 @@ inline void shared_fresh(const void* p, size_t n, const char* file, int line) {
               "memory, more than the %zu the emulated device allows per block",
               file, line, b.static_bytes, b.launch->dyn_bytes, b.launch->smem_limit);
   std::memset(const_cast<void*>(p), 0xff, n);
+#if defined(CUFLASH_SIMT_RACE)
+  race_fresh(p, n);  // a process static here, each block's own on a GPU: the last block's accesses do not count
+#endif
 }
 inline void* dynamic_shared() { return tl.block->dyn; }
 

@@ -75,7 +75,8 @@ struct Launch {
   std::atomic<bool> failed{false};
   std::mutex mu;
   std::string error;
-  void* race_end = nullptr;  // race mode: every fiber releases it at block end; the scheduler acquires it
+  void* race_end = nullptr;  // race mode: every fiber releases it at block end; the launch acquires it last
+  std::deque<void*> race_retired;  // race mode: finished blocks' TSan fibers, oldest first (see race_retire)
 };
 
 struct Block {
@@ -119,7 +120,8 @@ inline thread_local Worker tl;
 // The runtime's bookkeeping (queues, barrier counters, fiber state), which every fiber touches, runs with the
 // fiber's accesses ignored; a fiber is always inside the runtime when it is switched out, so its ignore count
 // is 1 except while it runs kernel code. Happens-before comes only from what CUDA orders: barriers, warp
-// collectives, atomics (TSan's own), a fiber's creation (after the host wrote the inputs) and the launch's end.
+// collectives, atomics (TSan's own), a fiber's creation (after the host wrote the inputs, never after another
+// block of the launch) and the launch's end (after every block).
 #if defined(CUFLASH_SIMT_RACE)
 inline void race_ignore_begin() {  // count after ignoring, uncount before ending: the counter is bookkeeping too
   __tsan_ignore_thread_begin();
@@ -146,6 +148,18 @@ inline void race_arrive(void*& sync) {
 inline void race_drop(void*& sync) {
   std::free(sync);
   sync = nullptr;
+}
+// Memory that each block has to itself on a GPU but the emulator reuses from block to block (shared memory,
+// fiber stacks): forget its past accesses, so that the next block's use does not race with the last one's.
+// Blocks of a launch are not ordered (that is what finds races between blocks), so only this reset can tell
+// TSan the memory is fresh. AnnotateNewMemory does nothing; __tsan_java_alloc is TSan's one call that clears
+// the shadow of any range (it needs no Java context in this runtime), and __tsan_java_free drops the heap
+// block it records, so reports still describe the memory as a global or a stack.
+inline void race_fresh(const void* p, size_t n) {
+  if (!n) return;
+  unsigned long lo = (unsigned long)p & ~7ul, hi = ((unsigned long)p + n + 7) & ~7ul;  // whole shadow cells
+  __tsan_java_alloc(lo, hi - lo);
+  __tsan_java_free(lo, hi - lo);
 }
 // A memory access the kernel makes through the runtime (ldmatrix's rows, cp.async's copies): checked.
 struct RaceKernelAccess {
