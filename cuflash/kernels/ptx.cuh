@@ -187,8 +187,9 @@ CUFLASH_LDMATRIX(ldmatrix_x4_trans, 4, true,
 
 // ---- cp.async: global -> shared without passing through registers -----------------------------------------
 // Copies `bytes` (4, 8 or 16) from gmem to smem; when src_bytes < bytes, only src_bytes are read and the rest is
-// zero-filled (src_bytes = 0 reads nothing: a masked tail). The data is only guaranteed in shared memory after a
-// cp_async_wait that covers the copy's group; the emulator lands it exactly there, never earlier.
+// zero-filled (src_bytes = 0 reads nothing: a masked tail). The bytes may land at any moment until the
+// cp_async_wait that covers the copy's group: the destination is undefined in between, and the emulator reports
+// any access to it there (memcheck and race modes) and lands copies early in seeded schedules.
 #if defined(__CUDA_ARCH__)
 #define CUFLASH_CP_ASYNC(NAME, CACHE, BYTES)                                                               \
   __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES) {            \

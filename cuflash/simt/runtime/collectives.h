@@ -33,10 +33,12 @@ inline bool same_site(const char* file, int line, const char* file2, int line2) 
   return line == line2 && (file == file2 || !std::strcmp(file, file2));
 }
 
+inline void cp_async_at_barrier(Fiber* f);
 inline void barrier_arrive(const char* file, int line, int vote) {
   CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   Block& b = *f->block;
+  if (!f->cp_queue.empty()) cp_async_at_barrier(f);
   if (b.done || (b.at_barrier && !same_site(file, line, b.barrier_file, b.barrier_line)))
     barrier_misuse(f, file, line);
   if (b.at_barrier == 0) { b.barrier_file = file; b.barrier_line = line; b.bar_votes = 0; }

@@ -68,6 +68,12 @@ inline void run_worker(Launch& L) {
     }
   }
   set_mxcsr(saved_mxcsr);
+#if defined(CUFLASH_SIMT_RACE)
+  for (Fiber& f : b.fibers) {  // the copy fibers live as long as the launch
+    if (f.tsan_copy) __tsan_destroy_fiber(f.tsan_copy);
+    std::free(f.tsan_landed);
+  }
+#endif
   tl = Worker{};
   sigaltstack(&old_alt, nullptr);
   std::free(dyn);
@@ -107,6 +113,9 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
   L.race_end = std::malloc(1);
 #endif
   install_overflow_handler();
+#if defined(CUFLASH_SIMT_ASAN)
+  __asan_set_error_report_callback(asan_context);  // one callback per process: the launching module's
+#endif
   unsigned long long nw = workers < 1 ? 1 : (unsigned long long)workers;
   if (nw > L.nblocks) nw = L.nblocks;
   std::vector<std::thread> pool;

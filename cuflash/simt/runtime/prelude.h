@@ -57,6 +57,8 @@ void __tsan_ignore_thread_end(void);
 void __tsan_read_range(void* addr, unsigned long size);
 void __tsan_java_alloc(unsigned long addr, unsigned long size);
 void __tsan_java_free(unsigned long addr, unsigned long size);
+void __tsan_read_range_pc(void* addr, unsigned long size, void* pc);
+void __tsan_write_range_pc(void* addr, unsigned long size, void* pc);
 }
 #endif
 

@@ -13,7 +13,7 @@ namespace cuflash_simt {
 inline void thread_exit(Fiber* f) {
   Block& b = *f->block;
   f->state = DONE;
-  f->cp_queue.clear();
+  cp_drop_all(*f);
   b.done++;
   Warp& w = my_warp(f);
   w.exited |= 1u << f->lane;
@@ -198,6 +198,7 @@ inline void run_block(Block& b, StackSet& stacks) {
   b.statics.clear();
   b.static_bytes = 0;
   b.rng = L.seed ^ (0x9e3779b97f4a7c15ull * (b.linear + 1));
+  b.cp_rng = ~L.seed ^ (0xc2b2ae3d27d4eb4full * (b.linear + 1));
   for (Warp& w : b.warps) {
     w.arrived = w.exited = 0;
   }
@@ -221,7 +222,7 @@ inline void run_block(Block& b, StackSet& stacks) {
     f.linear = i;
     f.lane = i % 32;
     f.tid = uint3{i % L.block.x, (i / L.block.x) % L.block.y, i / (L.block.x * L.block.y)};
-    f.cp_queue.clear();
+    cp_drop_all(f);
     f.cp_committed = 0;
     f.fake_stack = nullptr;
     f.stack_lo = st.lo;
@@ -265,6 +266,9 @@ inline void run_block(Block& b, StackSet& stacks) {
     switch_context(tl.sched, f.ctx);
     asan_landed(fake, nullptr, nullptr);
   }
+  // Copies that no wait covered (a failed block's): their windows close, so that no poison outlives the block
+  // on shared memory the next block or launch reuses.
+  for (Fiber& f : b.fibers) cp_drop_all(f);
 #if defined(CUFLASH_SIMT_ASAN)
   // Every fiber's call chain at its last switch (exited or abandoned) lies above its saved stack pointer;
   // frames below it returned and cleared their own shadow. 256 bytes cover the x86-64 red zone.

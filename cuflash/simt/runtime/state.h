@@ -36,11 +36,19 @@ struct Warp {
   unsigned present = 0;  // lanes that exist (a block's last warp may be partial)
 };
 
+// Where a copy's bytes land in a seeded schedule (any moment from issue to the covering wait is legal).
+enum CpLand : uint8_t { LAND_AT_ISSUE, LAND_AT_BARRIER, LAND_AT_WAIT };
 struct CpAsync {
   void* dst;
   const void* src;
   int size, src_size;
   unsigned group;
+  const char* file;  // the issuing call, for messages
+  int line;
+  void* pc;          // race mode: where it was issued, for the report's stack
+  void* issued;      // race mode: released at issue, acquired by the copy
+  CpLand land;
+  bool landed;
 };
 
 struct Fiber {
@@ -58,6 +66,9 @@ struct Fiber {
   size_t stack_size = 0;
   void* fake_stack = nullptr;
   void* tsan = nullptr;  // race mode: ThreadSanitizer's fiber for this CUDA thread (one per block)
+  void* tsan_copy = nullptr;    // race mode: the fiber its cp.async copies write from (one per launch)
+  void* tsan_landed = nullptr;  // race mode: the copy fiber releases it, the thread acquires it at the wait
+  unsigned long long copy_named = ~0ull;  // the block the copy fiber's name was last set for
   int tsan_ignores = 0;  // its ignore count (TSan refuses to destroy a fiber whose count is not 0)
 };
 
@@ -92,6 +103,7 @@ struct Block {
   int barrier_line = 0;
   int bar_votes = 0, bar_result = 0;  // __syncthreads_count/and/or
   uint64_t rng = 0;
+  uint64_t cp_rng = 0;  // seeded schedules: where cp.async copies land (apart from rng: the order stays as it was)
   char* dyn = nullptr;
   std::vector<std::pair<const void*, size_t>> statics;  // static __shared__ arrays seen this block
   size_t static_bytes = 0;
@@ -258,12 +270,13 @@ inline void make_ready(Block& b, unsigned i) {
   b.ready[at] = i;
   b.count++;
 }
-inline uint64_t next_random(Block& b) {  // splitmix64
-  uint64_t z = (b.rng += 0x9e3779b97f4a7c15ull);
+inline uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
 }
+inline uint64_t next_random(Block& b) { return splitmix64(b.rng); }
 inline unsigned pick_ready(Block& b) {
   size_t n = b.ready.size();
   if (b.launch->order == Order::random && b.count > 1) {
