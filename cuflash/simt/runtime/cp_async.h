@@ -42,11 +42,12 @@ inline void cp_drop_all(Fiber& f) {
 }
 
 #if defined(CUFLASH_SIMT_RACE)
-// The copy's accesses, as its own fiber's: after the issue (it acquires what the issuing thread released
-// there), not after anything done since, and before the waiting thread goes on (which acquires tsan_landed).
-// Reported at the issuing line.
-inline void race_copy_writes(Fiber* f, CpAsync& c) {
-  if (!f->tsan_copy) {  // created from the scheduler's fiber: creation orders it after its creator
+// The accesses of the copies q[0, n) that a wait lands, as the copy fiber's: each after its issue (it acquires
+// what the issuing thread released there), not after anything done since, and all before the waiting thread
+// goes on (which acquires tsan_landed). Reported at the issuing line. In issue order: the copy fiber's clock
+// only grows, so a copy landed after a later one would be ordered after more than its own issue.
+inline void race_copy_writes(Fiber* f, CpAsync* q, size_t n) {
+  if (!f->tsan_copy) {  // created from the scheduler's fiber: creation orders it after its creator only
     race_switch(tl.tsan_sched);
     f->tsan_copy = __tsan_create_fiber(0);
     race_switch(f->tsan);
@@ -58,17 +59,22 @@ inline void race_copy_writes(Fiber* f, CpAsync& c) {
     __tsan_set_fiber_name(f->tsan_copy, format("cp.async of CUDA thread (%u,%u,%u) of block (%u,%u,%u)", f->tid.x,
                                                f->tid.y, f->tid.z, b.idx.x, b.idx.y, b.idx.z).c_str());
   }
-  void *dst = c.dst, *src = const_cast<void*>(c.src), *pc = c.pc, *issued = c.issued, *landed = f->tsan_landed;
-  unsigned long size = (unsigned long)c.size, src_size = (unsigned long)c.src_size;
-  race_switch(f->tsan_copy);  // a fresh fiber ignores nothing: these are checked
-  __tsan_acquire(issued);
-  if (src_size) __tsan_read_range_pc(src, src_size, pc);
-  __tsan_write_range_pc(dst, size, pc);
+  void* landed = f->tsan_landed;
+  // A fresh fiber ignores nothing: these are checked (its reads of q too, ordered before the thread's next
+  // accesses through tsan_landed).
+  race_switch(f->tsan_copy);
+  for (size_t i = 0; i < n; i++) {
+    __tsan_acquire(q[i].issued);
+    if (q[i].src_size) __tsan_read_range_pc(const_cast<void*>(q[i].src), (unsigned long)q[i].src_size, q[i].pc);
+    __tsan_write_range_pc(q[i].dst, (unsigned long)q[i].size, q[i].pc);
+  }
   __tsan_release(landed);
   race_switch(f->tsan);
   __tsan_acquire(landed);
-  std::free(issued);
-  c.issued = nullptr;
+  for (size_t i = 0; i < n; i++) {
+    std::free(q[i].issued);
+    q[i].issued = nullptr;
+  }
 }
 #endif
 
@@ -118,20 +124,18 @@ inline void cp_async_wait(int pending) {
   CUFLASH_SIMT_RUNTIME_SCOPE;
   Fiber* f = tl.fiber;
   std::vector<CpAsync>& q = f->cp_queue;
-  size_t keep = 0;
-  for (size_t i = 0; i < q.size(); i++) {
-    CpAsync& c = q[i];
-    if ((long long)c.group < (long long)f->cp_committed - pending) {
-      if (!c.landed) cp_bytes(c, false);
-      else cp_poison(c, false);
-#if defined(CUFLASH_SIMT_RACE)
-      race_copy_writes(f, c);
-#endif
-    } else {
-      q[keep++] = c;
-    }
+  // Groups complete in order: the covered copies are a prefix of the queue (it is in issue order).
+  size_t n = 0;
+  while (n < q.size() && (long long)q[n].group < (long long)f->cp_committed - pending) n++;
+  if (!n) return;
+  for (size_t i = 0; i < n; i++) {
+    if (!q[i].landed) cp_bytes(q[i], false);
+    else cp_poison(q[i], false);
   }
-  q.resize(keep);
+#if defined(CUFLASH_SIMT_RACE)
+  race_copy_writes(f, q.data(), n);
+#endif
+  q.erase(q.begin(), q.begin() + (long)n);
 }
 
 // memcheck: ASan's report names the access and its line; this adds the CUDA thread, and for an address in a
