@@ -71,12 +71,18 @@ def case_clean_reductions():
 
 
 def blocks():
-    return simt_util.module("blocks.cu", mode="race")
+    return simt_util.module("blocks.cu", with_ptx=True, mode="race")
 
 
 def case_blocks_same_output():
     x = np.arange(128, dtype=np.float32)
     blocks().get_function("blocks_same_output")((2,), (64,), (x, np.zeros(64, np.float32)))
+
+
+def case_blocks_read_other_after_copy():
+    x = np.arange(256, dtype=np.float32)
+    blocks().get_function("blocks_read_other_after_copy")((2,), (64,), (x, x, np.zeros(128, np.float32),
+                                                                    np.zeros(128, np.float32)))
 
 
 def case_blocks_read_other():

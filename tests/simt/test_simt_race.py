@@ -60,11 +60,13 @@ def test_race_mode_reports_shared_memory_races_with_the_kernel_lines(case, kerne
     ("blocks_same_output", "SAME_WRITE", "SAME_WRITE"),
     # block 1 reads out[0, 64), which block 0 wrote
     ("blocks_read_other", "OTHER_READ", "OTHER_WRITE"),
+    # the same across a cp.async wait: a thread's copies carry nothing from one block into the next
+    ("blocks_read_other_after_copy", "COPY_READ", "COPY_WRITE"),
 ])
 def test_race_mode_reports_global_memory_races_between_blocks(case, current, previous):
     r = run_child(case)
     assert r.returncode == 66, r.stdout + r.stderr[-6000:]
-    line = {m: simt_util.site("blocks.cu", m).pattern for m in (current, previous)}
+    line = {m: simt_util.site("blocks.cu", m, with_ptx=True).pattern for m in (current, previous)}
     assert re.search(rf"SUMMARY: ThreadSanitizer: data race {line[current]} in {case}", r.stderr), r.stderr
     assert re.search(rf"Previous (write|read) .*\n\s+#0 {case} {line[previous]}", r.stderr), r.stderr
     # the report names both blocks (blocks run in order: block 1 finds block 0's access)

@@ -39,3 +39,16 @@ extern "C" __global__ void blocks_atomic_sum(const float* x, float* sum, int* co
   if (t == 0) atomicAdd(sum, part[0]);
   atomicAdd(count, 1);
 }
+
+// Bug: blocks_read_other with a cp.async between the write and the read. A thread's copies are ordered after
+// its own issue only: carried from one block to the next (one copy fiber per thread slot), they would order
+// block b's write before block b+1's read, and the race would go unreported.
+extern "C" __global__ void blocks_read_other_after_copy(const float4* x4, const float* x, float* out, float* prev) {
+  __shared__ __align__(16) float4 stage[64];
+  int t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
+  out[i] = 2 * x[i];  // COPY_WRITE
+  cuflash::ptx::cp_async_cg16(&stage[t], &x4[t]);
+  cuflash::ptx::cp_async_commit();
+  cuflash::ptx::cp_async_wait<0>();
+  if (blockIdx.x > 0) prev[i] = out[i - blockDim.x] + stage[t].x;  // COPY_READ
+}

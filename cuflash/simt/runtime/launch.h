@@ -69,7 +69,7 @@ inline void run_worker(Launch& L) {
   }
   set_mxcsr(saved_mxcsr);
 #if defined(CUFLASH_SIMT_RACE)
-  for (Fiber& f : b.fibers) {  // the copy fibers live as long as the launch
+  for (Fiber& f : b.fibers) {  // copy fibers no block end retired
     if (f.tsan_copy) __tsan_destroy_fiber(f.tsan_copy);
     std::free(f.tsan_landed);
   }

@@ -293,6 +293,13 @@ inline void run_block(Block& b, StackSet& stacks) {
     race_switch(sched);
     L.race_retired.push_back(f.tsan);
     f.tsan = nullptr;
+    // The copy fiber and its landing object are the block's too: kept across blocks, their clocks would carry
+    // this block's issues into the next block's threads at their first wait (an order no GPU gives).
+    if (f.tsan_copy) L.race_retired.push_back(f.tsan_copy);
+    f.tsan_copy = nullptr;
+    std::free(f.tsan_landed);
+    f.tsan_landed = nullptr;
+    f.copy_named = ~0ull;
   }
   race_retire(L, kRaceKeptFibers);
   race_drop(b.bar_sync);  // episodes a failure left open
