@@ -16,6 +16,7 @@ differentiable.
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -70,7 +71,6 @@ def to_tensor(x, device: torch.device) -> torch.Tensor:
 
 def on_stream(device: torch.device):
     """The CuPy stream of torch's current stream on a CUDA device (nothing to do on the CPU)."""
-    import contextlib
     if device.type != "cuda":
         return contextlib.nullcontext()
     import cupy

@@ -186,17 +186,18 @@ def run_backward(problem, dout, out, lse, grads, block=None):
         shift = np.where(lse_i == -np.inf, 0, lse_i)[..., None]  # a row that sees nothing: P = exp(-inf) = 0
         with np.errstate(invalid="ignore"):
             delta = (do_i * out[rows].astype(acc)).sum(axis=-1)[..., None]
+        scaled_q_i = q_i * scale
         j_start, j_stop = problem.key_range(i0, i1)
         for j0 in range(j_start, j_stop, bc):
             j1 = min(j_stop, j0 + bc)
             keys = index + (slice(j0, j1),)
-            s_ij, visible = tile_scores(problem, index, q_i * scale, i0, i1, j0, j1)
+            s_ij, visible = tile_scores(problem, index, scaled_q_i, i0, i1, j0, j1)
             p_ij = np.exp(s_ij - shift)
             ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
-            hidden_t = None if visible is None else np.swapaxes(visible, -1, -2)
-            dv[keys] += weighted_values(np.swapaxes(p_ij, -1, -2), do_i, hidden_t)
+            visible_t = None if visible is None else np.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
+            dv[keys] += weighted_values(np.swapaxes(p_ij, -1, -2), do_i, visible_t)
             dq[rows] += scale * weighted_values(ds_ij, problem.k[keys].astype(acc, copy=False), visible)
-            dk[keys] += scale * weighted_values(np.swapaxes(ds_ij, -1, -2), q_i, hidden_t)
+            dk[keys] += scale * weighted_values(np.swapaxes(ds_ij, -1, -2), q_i, visible_t)
             if dbias is not None:
                 dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
 
