@@ -192,7 +192,7 @@ def run_backward(problem, dout, out, lse, grads, block=None):
             j1 = min(j_stop, j0 + bc)
             keys = index + (slice(j0, j1),)
             s_ij, visible = tile_scores(problem, index, scaled_q_i, i0, i1, j0, j1)
-            p_ij = np.exp(s_ij - shift)
+            p_ij = np.exp(np.subtract(s_ij, shift, out=s_ij), out=s_ij)  # S_ij is not needed again
             ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
             visible_t = None if visible is None else np.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
             dv[keys] += weighted_values(np.swapaxes(p_ij, -1, -2), do_i, visible_t)
@@ -206,6 +206,8 @@ def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
     """dS_ij = P_ij * (dO_i V_j^T - D_i), zero for hidden pairs by selection (a NaN in a hidden value row makes
     dO_i V_j^T NaN there)."""
     v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
+    ds_ij = np.matmul(do_i, np.swapaxes(v_j, -1, -2))  # dP_ij, turned into dS_ij in place
     with np.errstate(invalid="ignore"):
-        ds_ij = p_ij * (np.matmul(do_i, np.swapaxes(v_j, -1, -2)) - delta)
+        np.subtract(ds_ij, delta, out=ds_ij)
+        np.multiply(ds_ij, p_ij, out=ds_ij)
     return ds_ij if visible is None else np.where(visible, ds_ij, 0)
