@@ -9,6 +9,8 @@ from .errors import BackendUnavailableError
 from .dtypes import bfloat16
 from .devices import DeviceLimits
 from .family import BlockConfig
+from .merging import merge
 
-__all__ = ["attention", "attention_backward", "BackendUnavailableError", "bfloat16", "BlockConfig", "DeviceLimits"]
+__all__ = ["attention", "attention_backward", "BackendUnavailableError", "bfloat16", "BlockConfig", "DeviceLimits",
+           "merge"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
+from .merging import combine
 from .tiling import Plan
 
 # The per-launch geometry table, declared once: the C struct Geometry of kernels/tile.cuh, field for field
@@ -258,20 +259,6 @@ def placeholder(xp, dtype):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Split keys (flash-decoding)
-
-
-def combine(parts_out, parts_lse, out, lse, xp) -> None:
-    """Merge the splits' partial results (each normalized by its own sum, with its own lse) into out and lse:
-    weights exp(lse_s - lse), lse = log sum exp(lse_s). A row no split saw gives 0 and -inf; NaN propagates."""
-    top = parts_lse.max(axis=0)
-    shift = xp.where(top == -xp.inf, 0, top)
-    weights = xp.exp(parts_lse - shift)
-    total = weights.sum(axis=0)
-    merged = (weights[..., None] * parts_out).sum(axis=0) / xp.where(total == 0, 1, total)[..., None]
-    out[...] = merged
-    if lse is not None:
-        with np.errstate(divide="ignore"):  # log(0) = -inf: nothing visible
-            lse[...] = xp.log(total) + shift
 
 
 def run(problem, out, lse, plan: Plan, get_kernel: Callable[[Plan], Any]) -> None:
