@@ -25,7 +25,7 @@ import torch
 from . import api
 from .dtypes import bfloat16, common_dtype
 
-__all__ = ["attention"]
+__all__ = ["attention", "register_with_transformers", "transformers_attention"]
 
 NAME = "cuflash.torch.attention"
 
@@ -39,6 +39,60 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     scale = None if scale is None else float(scale)
     out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right)
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face transformers
+
+
+def register_with_transformers(name: str = "cuattention") -> str:
+    """Make cuflash an attention implementation of Hugging Face transformers under `name`, with masks prepared
+    as for "sdpa" (booleans, or none where causal alone says it): then
+    AutoModel.from_pretrained(..., attn_implementation=name) runs its attention through cuflash. (transformers
+    takes any name containing "flash" for a FlashAttention kernel of its hub, hence not "cuflash".)"""
+    if "flash" in name:
+        raise ValueError(f"{NAME}: transformers takes an attention implementation named {name!r} for a "
+                         f"FlashAttention kernel of its hub; choose a name without 'flash'")
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    AttentionInterface.register(name, transformers_attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def transformers_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                           scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                           position_bias: Optional[torch.Tensor] = None, **kwargs):
+    """The attention function transformers calls (its "sdpa" contract): query (batch, heads, n, d), key and value
+    (batch, kv_heads, m, d) with heads a multiple of kv_heads (grouped-query attention by broadcasting, never
+    repeated), attention_mask boolean (True = attend) or additive, or None with causal from is_causal or the
+    module; position_bias added to the scores. Returns (batch, n, heads, e) and no weights."""
+    if dropout and module.training:
+        raise ValueError(f"{NAME}: attention dropout ({dropout}) is not supported; set the model's attention "
+                         f"dropout to 0 or call model.eval()")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{NAME}: logit soft-capping is not supported")
+    n, heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(n > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > n:  # as sdpa: a prefill into an empty static cache aligns top-left
+        key, value = key[:, :, :n], value[:, :, :n]
+        position_bias = None if position_bias is None else position_bias[..., :n]
+    mask = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
+    bias = attention_mask if attention_mask is not None and mask is None else None
+    if position_bias is not None:
+        bias = position_bias if bias is None else position_bias + bias
+    groups = heads // kv_heads
+    grouped = query.reshape(query.shape[0], kv_heads, groups, n, query.shape[-1])
+
+    def per_group(x):  # (batch, 1 or heads, n, m) masks and biases, by kv head and group
+        if x is None or x.dim() < 4 or x.shape[1] == 1:
+            return None if x is None else (x.unsqueeze(1) if x.dim() == 4 else x)
+        return x.reshape(x.shape[0], kv_heads, groups, *x.shape[2:])
+
+    out = attention(grouped, key.unsqueeze(2), value.unsqueeze(2), scale=scaling, causal=causal,
+                    mask=per_group(mask), bias=per_group(bias))
+    return out.reshape(out.shape[0], heads, n, out.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -53,8 +53,10 @@ def missing_tools() -> list:
             missing.append("cuda_fp16.h for NVRTC (pip install -e '.[cuda12]', which brings nvidia-cuda-runtime-cu12)")
     except Exception as exc:  # no CuPy, or no NVRTC library
         missing.append(f"NVRTC through CuPy ({type(exc).__name__}: {exc}); pip install -e '.[test,cuda12]'")
-    if importlib.util.find_spec("torch") is None:
-        missing.append("PyTorch, for the cuflash.torch adapter's tests (pip install -e '.[test]' pins the CPU build)")
+    for module, what in (("torch", "PyTorch, for the cuflash.torch adapter's tests"),
+                         ("transformers", "transformers, for the adapter's tests inside real models")):
+        if importlib.util.find_spec(module) is None:
+            missing.append(f"{what} (pip install -e '.[test]'; it pins torch's CPU build)")
     return missing
 
 

@@ -112,3 +112,72 @@ def test_fake_tensors_give_the_result_shapes_and_dtypes():
         k = torch.empty(3, 7, 8, dtype=torch.float32)
         out, lse = torch.ops.cuflash.attention_forward(q, k, k, None, None, None, False, None, None)
         assert out.shape == (2, 3, 5, 8) and out.dtype == torch.float32 and lse.shape == (2, 3, 5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# As the attention of Hugging Face transformers models (their own code; tiny random configurations, no download)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts cuflash.torch.attention calls: the model must really run through cuflash."""
+    count = []
+    real = ct.attention
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ct, "attention", counted)
+    return count
+
+
+def transformers_pair(config_cls, model_cls, **config):
+    """The same randomly initialized model twice: with cuflash's attention and with transformers' sdpa."""
+    pytest.importorskip("transformers")  # conftest stops the run when the test extra is installed without it
+    name = ct.register_with_transformers()
+    torch.manual_seed(0)
+    reference = model_cls(config_cls(**config, attn_implementation="sdpa")).eval()
+    ours = model_cls(config_cls(**config, attn_implementation="sdpa")).eval()  # its own config
+    ours.load_state_dict(reference.state_dict())
+    ours.set_attn_implementation(name)
+    return ours, reference
+
+
+def test_a_llama_with_grouped_query_attention_and_left_padding(calls):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    ours, reference = transformers_pair(LlamaConfig, LlamaForCausalLM, vocab_size=97, hidden_size=64,
+                                        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.ones(2, 19, dtype=torch.long)
+    attention_mask[1, :5] = 0  # left padding
+    results = []
+    for model in (ours, reference):
+        logits = model(input_ids=ids, attention_mask=attention_mask).logits
+        loss = (logits[attention_mask.bool()] ** 2).mean()
+        loss.backward()
+        results.append((logits[attention_mask.bool()].detach(), [p.grad.clone() for p in model.parameters()]))
+    assert len(calls) == 2  # one per layer, ours only
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
+    for got, want in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    # generation with a cache: one query over its past (bottom-right causal, as transformers means it)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.generate(ids[:1], max_new_tokens=4, do_sample=False),
+                                   reference.generate(ids[:1], max_new_tokens=4, do_sample=False))
+
+
+def test_a_bert_encoder_with_a_padding_mask(calls):
+    from transformers import BertConfig, BertModel
+    ours, reference = transformers_pair(BertConfig, BertModel, vocab_size=97, hidden_size=64,
+                                        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                        max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                        attention_probs_dropout_prob=0.0)
+    ids = torch.randint(0, 97, (3, 23), generator=torch.Generator().manual_seed(4))
+    attention_mask = torch.ones(3, 23, dtype=torch.long)
+    attention_mask[0, 15:] = 0  # right padding
+    attention_mask[2, 9:] = 0
+    keep = attention_mask.bool()
+    states = [model(input_ids=ids, attention_mask=attention_mask).last_hidden_state[keep] for model in (ours, reference)]
+    assert len(calls) == 2
+    torch.testing.assert_close(states[0], states[1], rtol=1e-4, atol=1e-5)
