@@ -157,6 +157,20 @@ class ndarray:
     def __neg__(self):
         return self._wrap(-self._a)
 
+    def __invert__(self):
+        return self._wrap(~self._a)
+
+    def all(self, axis=None, out=None, keepdims=False):
+        return self._wrap(np.asarray(self._a.all(axis=axis, keepdims=keepdims)))
+
+    def tolist(self):
+        return self._a.tolist()
+
+    def __bool__(self):  # CuPy reads a one-element array back (a synchronization)
+        return bool(self._a)
+
+    __array_ufunc__ = None  # NumPy scalars and arrays defer to CuPy's operators, as with CuPy's own ndarray
+
 
 def _elementwise(function):
     """A CuPy ufunc: arrays of one device (the current one for scalars alone), no host arrays."""
@@ -169,9 +183,9 @@ def _elementwise(function):
     return apply
 
 
-for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge"):
+for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge", "and_"):
     _op = getattr(operator, _name)
-    setattr(ndarray, f"__{_name}__", _elementwise(_op))
+    setattr(ndarray, f"__{_name.rstrip('_')}__", _elementwise(_op))
     if _name in ("add", "sub", "mul", "truediv"):
         setattr(ndarray, f"__r{_name}__", _elementwise(lambda a, b, _op=_op: _op(b, a)))
 
@@ -397,8 +411,11 @@ def make_shim():
     for name in ("ndarray", "asarray", "asnumpy", "empty", "zeros", "broadcast_to", "ascontiguousarray",
                  "may_share_memory", "copyto", "RawModule", "RawKernel"):
         setattr(shim, name, globals()[name])
-    for name in ("where", "exp", "log"):
+    for name in ("where", "exp", "log", "isfinite", "matmul"):
         setattr(shim, name, _elementwise(getattr(np, name)))
+    shim.swapaxes = lambda x, a, b: x._wrap(np.swapaxes(x._a, a, b))
+    shim.nonzero = lambda x: tuple(x._wrap(i) for i in np.nonzero(x._a))
+    shim.arange = lambda *args, **kwargs: ndarray(np.arange(*args, **kwargs), _State.current)
     shim.inf = np.inf
     for name in ("bool_", "float16", "float32", "float64", "int32", "int64"):
         setattr(shim, name, getattr(np, name))
@@ -624,3 +641,31 @@ def test_harness_keeps_views_on_the_device(cupy):
         moved = on_device(x, cupy.asarray)
         assert moved.strides == x.strides
         np.testing.assert_array_equal(moved.get(), x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backward on CuPy arrays: the blocked path on the array library's matmul (until the CUDA backward kernels)
+
+
+def test_backward_on_cupy_arrays_is_the_blocked_path_bit_for_bit(cupy):
+    from reference import assert_grads_accurate
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((2, 4, 30, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 700, 16)).astype(np.float32)  # grouped-query heads, two key tiles
+    v = rng.standard_normal((2, 1, 700, 8)).astype(np.float32)
+    mask = rng.random((30, 700)) < 0.9
+    bias = rng.standard_normal((4, 30, 700)).astype(np.float32)
+    k[..., 5, :], v[..., 6, :] = np.nan, np.inf
+    mask[:, 5:7] = False  # hidden non-finite keys and values
+    options = dict(mask=mask, bias=bias, causal=True, window=(300, None))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    expected = cuflash.attention_backward(dout, q, k, v, out, lse, bias_grad=True, **options)
+    on_device = [cupy.asarray(x) for x in (dout, q, k, v, out, lse)]
+    device_options = dict(options, mask=cupy.asarray(mask), bias=cupy.asarray(bias))
+    grads = cuflash.attention_backward(*on_device, bias_grad=True, **device_options)
+    assert all(isinstance(g, cupy.ndarray) for g in grads)
+    for got, want in zip(grads, expected):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert got.get().tobytes() == want.tobytes()
+    assert_grads_accurate([g.get() for g in grads], dout, q, k, v, **options)

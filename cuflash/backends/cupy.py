@@ -63,6 +63,15 @@ def run(problem, out, lse, block=None):
         launch.run(problem, out, lse, plan, get_kernel)
 
 
+def run_backward(problem, dout, out, lse, grads, block=None):
+    """The backward until the CUDA backward kernels exist: the numpy backend's blocked FlashAttention-2 backward,
+    run on the CuPy arrays themselves (CuPy's matmul; memory bounded like the forward's, no atomics). block, as
+    there: (rows per step, keys per tile)."""
+    from . import numpy as blocked
+    with out.device:
+        blocked.run_backward(problem, dout, out, lse, grads, block=block)
+
+
 def kernel(device_id: int, plan: tiling.Plan, limits, check_spills=True):
     import cupy
 

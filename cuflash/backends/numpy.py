@@ -108,10 +108,10 @@ def attend_rows(problem, index, i0, i1, bc):
 def tile_scores(problem, index, q_i, i0, i1, j0, j1):
     """S_ij = (scale * q_i) @ k_j.T + bias, with hidden keys set to -inf by selection; and the visibility
     (None when every key of the tile is visible). A -inf bias hides its key as the mask does, so a NaN in that
-    key's scores or values never counts."""
-    acc = problem.acc_dtype
+    key's scores or values never counts. In the arrays' own module (the cupy backend's backward uses it too)."""
+    xp, acc = problem.xp, problem.acc_dtype
     k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
-    s_ij = np.matmul(q_i, np.swapaxes(k_j, -1, -2))
+    s_ij = xp.matmul(q_i, xp.swapaxes(k_j, -1, -2))
     tile = index + (slice(i0, i1), slice(j0, j1))
     visible = None
     if not problem.tile_fully_visible(i0, i1, j0, j1):
@@ -125,7 +125,7 @@ def tile_scores(problem, index, q_i, i0, i1, j0, j1):
             shown = bias != -np.inf
             visible = shown if visible is None else visible & shown
     if visible is not None:
-        s_ij = np.where(visible, s_ij, -np.inf)
+        s_ij = xp.where(visible, s_ij, -np.inf)
     return s_ij, visible
 
 
@@ -142,21 +142,21 @@ def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
     return m_new, l_new, o_new
 
 
-def weighted_values(p_ij, v_j, visible):
+def weighted_values(p_ij, v_j, visible, xp=np):
     """P_ij @ V_j where hidden keys are removed by selection: a NaN or inf in a hidden value row must not
     reach the output through 0 * inf. Finite tiles (the common case) take the plain matmul. The backward uses it
     for every product over a tile's keys or rows (visible then pairs the contraction index with the rows)."""
-    finite = np.isfinite(v_j)
-    if visible is None or finite.all():
-        return np.matmul(p_ij, v_j)
-    result = np.matmul(p_ij, np.where(finite, v_j, 0))
+    finite = xp.isfinite(v_j)
+    if visible is None or bool(finite.all()):
+        return xp.matmul(p_ij, v_j)
+    result = xp.matmul(p_ij, xp.where(finite, v_j, 0))
     # Add back the non-finite entries, only for the rows that see them.
-    bad_keys = np.nonzero(~finite.all(axis=tuple(range(v_j.ndim - 2)) + (-1,)))[0]
+    bad_keys = xp.nonzero(~finite.all(axis=tuple(range(v_j.ndim - 2)) + (-1,)))[0].tolist()
     for j in bad_keys:
-        v_bad = np.where(finite[..., j, :], 0, v_j[..., j, :])  # (..., e): only the non-finite entries
+        v_bad = xp.where(finite[..., j, :], 0, v_j[..., j, :])  # (..., e): only the non-finite entries
         with np.errstate(invalid="ignore"):  # 0 * inf in hidden rows: selected away just below
             contribution = p_ij[..., :, j, None] * v_bad[..., None, :]  # (..., rows, e)
-        result += np.where(visible[..., :, j, None], contribution, 0)
+        result += xp.where(visible[..., :, j, None], contribution, 0)
     return result
 
 
@@ -172,9 +172,10 @@ def run_backward(problem, dout, out, lse, grads, block=None):
 
     with D_i = rowsum(dO_i * O_i) (FlashAttention-2's preprocessing). grads = (dq, dk, dv, dbias or None): arrays
     over the whole batch in the accumulator type, zeroed, accumulated here in a fixed order (deterministic);
-    dbias_ij = dS_ij. Hidden pairs contribute nothing, by selection."""
+    dbias_ij = dS_ij. Hidden pairs contribute nothing, by selection. Written in the arrays' module (problem.xp),
+    so the cupy backend runs the same blocked code on CuPy's matmul."""
     dq, dk, dv, dbias = grads
-    acc = problem.acc_dtype
+    xp, acc = problem.xp, problem.acc_dtype
     scale = acc.type(problem.scale)
     rows_per_step, bc = tile_sizes(problem, block, BACKWARD_TEMPS_PER_SCORE)
     item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
@@ -183,7 +184,7 @@ def run_backward(problem, dout, out, lse, grads, block=None):
         q_i = problem.q[rows].astype(acc)
         do_i = dout[rows].astype(acc)
         lse_i = lse[rows].astype(acc)
-        shift = np.where(lse_i == -np.inf, 0, lse_i)[..., None]  # a row that sees nothing: P = exp(-inf) = 0
+        shift = xp.where(lse_i == -np.inf, 0, lse_i)[..., None]  # a row that sees nothing: P = exp(-inf) = 0
         with np.errstate(invalid="ignore"):
             delta = (do_i * out[rows].astype(acc)).sum(axis=-1)[..., None]
         scaled_q_i = q_i * scale
@@ -192,12 +193,13 @@ def run_backward(problem, dout, out, lse, grads, block=None):
             j1 = min(j_stop, j0 + bc)
             keys = index + (slice(j0, j1),)
             s_ij, visible = tile_scores(problem, index, scaled_q_i, i0, i1, j0, j1)
-            p_ij = np.exp(np.subtract(s_ij, shift, out=s_ij), out=s_ij)  # S_ij is not needed again
+            s_ij -= shift
+            p_ij = xp.exp(s_ij)
             ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
-            visible_t = None if visible is None else np.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
-            dv[keys] += weighted_values(np.swapaxes(p_ij, -1, -2), do_i, visible_t)
-            dq[rows] += scale * weighted_values(ds_ij, problem.k[keys].astype(acc, copy=False), visible)
-            dk[keys] += scale * weighted_values(np.swapaxes(ds_ij, -1, -2), q_i, visible_t)
+            visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
+            dv[keys] += weighted_values(xp.swapaxes(p_ij, -1, -2), do_i, visible_t, xp)
+            dq[rows] += scale * weighted_values(ds_ij, problem.k[keys].astype(acc, copy=False), visible, xp)
+            dk[keys] += scale * weighted_values(xp.swapaxes(ds_ij, -1, -2), q_i, visible_t, xp)
             if dbias is not None:
                 dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
 
@@ -205,9 +207,10 @@ def run_backward(problem, dout, out, lse, grads, block=None):
 def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
     """dS_ij = P_ij * (dO_i V_j^T - D_i), zero for hidden pairs by selection (a NaN in a hidden value row makes
     dO_i V_j^T NaN there)."""
+    xp = problem.xp
     v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
-    ds_ij = np.matmul(do_i, np.swapaxes(v_j, -1, -2))  # dP_ij, turned into dS_ij in place
+    ds_ij = xp.matmul(do_i, xp.swapaxes(v_j, -1, -2))  # dP_ij, turned into dS_ij in place
     with np.errstate(invalid="ignore"):
-        np.subtract(ds_ij, delta, out=ds_ij)
-        np.multiply(ds_ij, p_ij, out=ds_ij)
-    return ds_ij if visible is None else np.where(visible, ds_ij, 0)
+        ds_ij -= delta
+        ds_ij *= p_ij
+    return ds_ij if visible is None else xp.where(visible, ds_ij, 0)
