@@ -86,7 +86,7 @@ MUTANTS = (
     m("numpy-lse-log2", "cuflash/backends/numpy.py",
       [("m_i + np.log(l_i)", "m_i + np.log2(l_i)")], [NUMPY], "lse in base 2"),
     m("numpy-multiply-by-zero", "cuflash/backends/numpy.py",
-      [("if visible is None or finite.all():", "if True:")], [NUMPY],
+      [("if visible is None or bool(finite.all()):", "if True:")], [NUMPY],
       "hidden values weighted by 0 instead of removed: 0 * inf = NaN leaks"),
     m("numpy-bias-hides-nothing", "cuflash/backends/numpy.py",
       [("if problem.bias_hides:", "if False:")],
