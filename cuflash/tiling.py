@@ -26,22 +26,26 @@ DECODE_ROWS = 16  # queries per batch item up to which a few short query tiles a
 SPLIT_MIN_KEYS = 512  # keys a split sweeps at least: fewer, and merging the splits costs more than it gains
 
 
-def family_of(config: BlockConfig) -> Family:
-    for family in FAMILIES:
-        if family.variant == config.variant:
-            return family
+BY_VARIANT = {family.variant: family for family in FAMILIES}
+
+
+def unknown_variant(variant: str) -> str:
     kinds = " or ".join(f"{f.variant!r} ({f.title} kernel)" for f in FAMILIES)
-    raise ValueError(f"attention: variant {config.variant!r} is not a kernel: {kinds}")
+    return f"variant {variant!r} is not a kernel: {kinds}"
+
+
+def family_of(config: BlockConfig) -> Family:
+    if config.variant not in BY_VARIANT:
+        raise ValueError(f"attention: {unknown_variant(config.variant)}")
+    return BY_VARIANT[config.variant]
 
 
 def not_supported_reasons(shape: Shape, config: BlockConfig, device: DeviceLimits, *,
                           suggest: bool = True) -> List[str]:
     """Every reason `config` cannot run `shape` on `device`, as sentences (empty: supported)."""
-    try:
-        family = family_of(config)
-    except ValueError as exc:
-        return [str(exc).removeprefix("attention: ")]
-    return family.not_supported_reasons(shape, config, device, suggest=suggest)
+    if config.variant not in BY_VARIANT:
+        return [unknown_variant(config.variant)]
+    return BY_VARIANT[config.variant].not_supported_reasons(shape, config, device, suggest=suggest)
 
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
@@ -122,9 +126,8 @@ def resolve(block, shape: Shape, device: DeviceLimits) -> BlockConfig:
     validated. ValueError listing every reason when it cannot run."""
     if block is None:
         return choose(shape, device)
-    variants = {family.variant: family for family in FAMILIES}
-    if isinstance(block, str) and block in variants:
-        family = variants[block]
+    if isinstance(block, str) and block in BY_VARIANT:
+        family = BY_VARIANT[block]
         config = family.first_fit(shape, device)
         if config is None:
             probe = BlockConfig(64, 64, 4, family.stages[0], family.variant)

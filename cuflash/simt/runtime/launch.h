@@ -68,12 +68,6 @@ inline void run_worker(Launch& L) {
     }
   }
   set_mxcsr(saved_mxcsr);
-#if defined(CUFLASH_SIMT_RACE)
-  for (Fiber& f : b.fibers) {  // copy fibers no block end retired
-    if (f.tsan_copy) __tsan_destroy_fiber(f.tsan_copy);
-    std::free(f.tsan_landed);
-  }
-#endif
   tl = Worker{};
   sigaltstack(&old_alt, nullptr);
   std::free(dyn);
