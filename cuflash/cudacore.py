@@ -124,3 +124,90 @@ FORWARD = Family(
     column_width=lambda shape, config: buckets(shape, config)[1], candidates=candidates,
     register_target=ACC_REGISTER_TARGET, register_limit=ACC_REGISTER_LIMIT,
     register_advice="use a smaller Br or more warps")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backward kernels (kernels/backward.cuh): bwd_dq (one block per Br queries) and bwd_dkdv (one per Bc keys),
+# two families planned apart. Each holds its gradients whole in registers, so d and e are at most
+# BACKWARD_MAX_BUCKET; wider heads take the blocked backward on the array library's matmul (backends/numpy.py).
+
+BACKWARD_MAX_BUCKET = 256
+BACKWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "dout", "lse", "delta", "dq", "dk", "dv", "dbias")
+BACKWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "scale", "left", "right", "flags")
+BACKWARD_CANDIDATES = tuple(BlockConfig(br, bc, w) for br, bc, w in (
+    (64, 64, 8), (64, 64, 4), (32, 64, 8), (64, 32, 8), (32, 32, 4), (32, 32, 8), (16, 32, 8), (32, 16, 8),
+    (16, 16, 8), (16, 16, 4), (16, 16, 2)))
+
+
+def backward_buckets(shape: Shape, config: BlockConfig) -> Tuple[int, int]:
+    return bucket(min(shape.d, BACKWARD_MAX_BUCKET)), bucket(min(shape.e, BACKWARD_MAX_BUCKET))
+
+
+def backward_eligibility(shape: Shape, device) -> List[str]:
+    reasons = eligibility(shape, device)
+    if not reasons and max(shape.d, shape.e) > BACKWARD_MAX_BUCKET:
+        reasons.append(f"head dims d={shape.d}, e={shape.e}: the backward kernels hold a block's gradients whole "
+                       f"and take d, e <= {BACKWARD_MAX_BUCKET}")
+    return reasons
+
+
+def _backward_family(kind: str) -> Family:
+    """bwd_dq (kind "dq": own rows are Br queries, swept columns Bc keys) or bwd_dkdv (kind "dkdv": own rows are
+    Bc keys, swept columns Br queries)."""
+    keys_own = kind == "dkdv"
+
+    def own_and_swept(config: BlockConfig) -> Tuple[int, int]:
+        return (config.Bc, config.Br) if keys_own else (config.Br, config.Bc)
+
+    def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
+        """Q and dO of the query tile, K and V of the key tile (rows padded as the forward's), P and dS over (own
+        rows) x (swept columns + 1) and two row terms per query in the accumulator type. Mirrors BackwardShared."""
+        item, acc = shape.dtype.itemsize, acc_dtype_of(shape.dtype).itemsize
+        D, E = backward_buckets(shape, config)
+        pad = 4 // item if item < 4 else 1
+        own, swept = own_and_swept(config)
+        tiles = sum(_align16(item * rows * (width + pad)) for rows in (config.Br, config.Bc) for width in (D, E))
+        return tiles + 2 * _align16(acc * own * (swept + 1)) + _align16(acc * 2 * config.Br)
+
+    def accumulator_words(shape: Shape, config: BlockConfig) -> int:
+        """Per thread: S and dP over its rows x swept columns, and the block's gradients (dQ; or dK and dV)."""
+        own, swept = own_and_swept(config)
+        D, E = backward_buckets(shape, config)
+        grads = D + E if keys_own else D
+        rows = own // max(1, config.row_groups)
+        return rows * (2 * swept // LANES_PER_ROW + grads // LANES_PER_ROW) * (acc_dtype_of(shape.dtype).itemsize // 4)
+
+    def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
+        own, swept = own_and_swept(config)
+        (own_name, swept_name) = ("Bc", "Br") if keys_own else ("Br", "Bc")
+        groups = config.row_groups
+        reasons = []
+        if not (own % groups == 0 and groups <= own <= MAX_TILE):
+            reasons.append(f"{own_name}={own} is not supported with {config.warps} warps by the backward's {kind} "
+                           f"kernel: it must be a multiple of {groups} (the row groups of {LANES_PER_ROW} lanes) "
+                           f"between {groups} and {MAX_TILE}")
+        if not (swept % LANES_PER_ROW == 0 and LANES_PER_ROW <= swept <= MAX_TILE):
+            reasons.append(f"{swept_name}={swept} is not supported by the backward's {kind} kernel: it must be a "
+                           f"multiple of {LANES_PER_ROW} between {LANES_PER_ROW} and {MAX_TILE}")
+        if config.head_tile is not None:
+            reasons.append(f"head_tile={config.head_tile} is not supported by the backward kernels: they take "
+                           f"whole head dims up to {BACKWARD_MAX_BUCKET}; use None")
+        return reasons
+
+    def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
+        D, E = backward_buckets(shape, config)
+        return [C_TYPES[shape.dtype.name], config.Br, config.Bc, D, E, config.warps]
+
+    return Family(
+        variant="fma", title=f"CUDA-core backward {kind}", template=f"cuflash::bwd_{kind}", source="backward.cuh",
+        shared_struct="BackwardShared", eligibility=backward_eligibility, config_reasons=config_reasons,
+        buckets=backward_buckets, shared_memory_bytes=shared_memory_bytes, accumulator_words=accumulator_words,
+        registers_estimate=lambda shape, config: min(255, (48 + 2 * accumulator_words(shape, config) + 7) // 8 * 8),
+        template_args=template_args, column_width=lambda shape, config: max(1, shape.e),
+        candidates=lambda shape: [BACKWARD_CANDIDATES], register_target=ACC_REGISTER_TARGET,
+        register_limit=ACC_REGISTER_LIMIT, register_advice="use smaller tiles or more warps", kind=kind,
+        tiles_along="keys" if keys_own else "queries", operands=BACKWARD_OPERANDS, scalars=BACKWARD_SCALARS)
+
+
+BACKWARD_DQ = _backward_family("dq")
+BACKWARD_DKDV = _backward_family("dkdv")

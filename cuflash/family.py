@@ -20,6 +20,9 @@ LANES_PER_ROW = 16  # TC in the CUDA-core kernel: lanes that share a row group
 WARPS = (1, 2, 4, 8)  # warps per block every kernel runs
 WARP_PREFERENCE = (4, 8, 2, 1)  # the order in which (Br, Bc) given without warps tries them
 C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+# A kernel's parameters, in order: its pointer operands (launch.OPERANDS names), the geometry table, its scalars.
+FORWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")
+FORWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "left", "right", "flags")
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,10 @@ class Family:
     column_width: the widest e one launch covers (wider e is split into column blocks).
     candidates(shape): lists of configurations in preference order, tried list by list.
     register_target: accumulator words a chosen configuration keeps at most; register_limit: past it, refused.
-    register_advice: what to change when over the limit."""
+    register_advice: what to change when over the limit.
+    kind: what it computes ("forward"; "dq" or "dkdv", the two halves of the backward). tiles_along: the axis its
+    blocks tile ("queries": one block per Br queries; "keys": one per Bc keys). operands, scalars: its parameters
+    before and after the geometry table, by name (launch.OPERANDS; launch.scalar_values)."""
 
     variant: str
     title: str
@@ -119,9 +125,18 @@ class Family:
     register_limit: int
     register_advice: str
     stages: Tuple[int, ...] = field(default=(1,))
+    kind: str = "forward"
+    tiles_along: str = "queries"
+    operands: Tuple[str, ...] = FORWARD_OPERANDS
+    scalars: Tuple[str, ...] = FORWARD_SCALARS
 
     def __repr__(self):
-        return f"<the {self.title} kernel family {self.variant!r}>"
+        return f"<the {self.title} kernel family {self.variant!r}{'' if self.kind == 'forward' else ' ' + self.kind}>"
+
+    def tiles(self, shape: Shape, config: BlockConfig) -> int:
+        """Blocks along the grid's x axis (per key split): one per query tile, or per key tile (0: unknown)."""
+        rows, tile = (shape.n, config.Br) if self.tiles_along == "queries" else (shape.m, config.Bc)
+        return -(-rows // tile) if rows is not None else 0
 
     def name_expression(self, shape: Shape, config: BlockConfig, split: bool = False) -> str:
         """The C++ name expression of the instantiation serving shape with config (split: the one writing

@@ -19,7 +19,10 @@ from .tiling import Plan
 # The per-launch geometry table, declared once: the C struct Geometry of kernels/tile.cuh, field for field
 # (tests/test_layout.py checks sizes, offsets and constants through the compiler: layout_asserts).
 MAX_BATCH_DIMS = 6  # kMaxBatchDims
-OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")  # the Operand enum's order
+# The Operand enum's order: the forward's operands, then the backward's (dout; delta, FlashAttention-2's
+# D_i = rowsum(dO_i * O_i); the gradients in the accumulator type).
+OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse", "dout", "delta", "dq", "dk", "dv", "dbias")
+ROW_VECTORS = ("lse", "delta")  # one value per query row: a row stride and no column stride
 OPERAND_STRIDES = np.dtype([("row", np.int64), ("col", np.int64), ("batch", np.int64, (MAX_BATCH_DIMS,))])
 GEOMETRY = np.dtype([
     ("batch_count", np.int64), ("rank", np.int64), ("shape", np.int64, (MAX_BATCH_DIMS,)),
@@ -28,14 +31,17 @@ GEOMETRY = np.dtype([
 MAX_GRID_Y = 65535
 RESIDENT_LIMIT = 256  # device copies of geometry tables and placeholders kept per process
 
-# ForwardFlags in kernels/forward_common.cuh
+# LaunchFlags in kernels/forward_common.cuh
 VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE, BIAS_HIDES = 1, 2, 4, 8, 16, 32, 64
+VECTOR_DOUT, WANT_DBIAS = 128, 256
 FLAGS = {"kVectorQ": VECTOR_Q, "kVectorK": VECTOR_K, "kVectorV": VECTOR_V, "kHasMask": HAS_MASK,
-         "kHasBias": HAS_BIAS, "kWantLse": WANT_LSE, "kBiasHides": BIAS_HIDES}
+         "kHasBias": HAS_BIAS, "kWantLse": WANT_LSE, "kBiasHides": BIAS_HIDES, "kVectorDout": VECTOR_DOUT,
+         "kWantDbias": WANT_DBIAS}
+VECTOR_FLAGS = (("q", VECTOR_Q), ("k", VECTOR_K), ("v", VECTOR_V), ("dout", VECTOR_DOUT))
 
 
 def layout_asserts() -> List[str]:
-    """C++ static_asserts that the kernels' Geometry, OperandStrides, Operand and ForwardFlags are what this
+    """C++ static_asserts that the kernels' Geometry, OperandStrides, Operand and LaunchFlags are what this
     module writes: compiled after kernels/forward_common.cuh, they fail on any drift."""
     def check(expr: str, value: int) -> str:
         return f'static_assert({expr} == {value}, "launch.py declares {expr} == {value}");'
@@ -124,33 +130,52 @@ def launches(problem, out, lse, plan: Plan, split_strides: Tuple[int, int] = (0,
     than the kernel takes after coalescing. With split keys, out and lse are split 0's partial results (in the
     accumulator type), split_strides the elements from one split's out and lse to the next's, and the blocks of
     every split run in the same launches."""
-    if plan.shape != problem.shape:
-        raise ValueError(f"attention: a plan for {plan.shape} cannot run a problem of {problem.shape}")
+    check_plan(problem, plan)
     bias = None if problem.bias is None else bias_operand(problem)
     result = []
     for index, (e0, e1) in enumerate(plan.column_blocks):
-        operands = [problem.q, problem.k, problem.v[..., e0:e1], problem.mask, bias, out[..., e0:e1],
-                    lse if index == 0 else None]
+        operands = {"q": problem.q, "k": problem.k, "v": problem.v[..., e0:e1], "mask": problem.mask, "bias": bias,
+                    "out": out[..., e0:e1], "lse": lse if index == 0 else None}
         result += _batch_launches(problem, operands, e1 - e0, plan, split_strides)
     return result
 
 
+def backward_launches(problem, plan: Plan, dout, lse, delta, grads) -> List[Launch]:
+    """The launches of one backward kernel as planned (a plan of kind "dq" or "dkdv"): dout, the forward's lse
+    and delta (D_i) in, grads = (dq, dk, dv, dbias or None) over the whole batch in the accumulator type out."""
+    check_plan(problem, plan)
+    operands = {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask,
+                "bias": None if problem.bias is None else bias_operand(problem), "dout": dout, "lse": lse,
+                "delta": delta, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
+    return _batch_launches(problem, operands, problem.e, plan, (0, 0))
+
+
+def check_plan(problem, plan: Plan) -> None:
+    if plan.shape != problem.shape:
+        raise ValueError(f"attention: a plan for {plan.shape} cannot run a problem of {problem.shape}")
+
+
 def _batch_launches(problem, operands, e, plan: Plan, split_strides) -> List[Launch]:
+    """operands: arrays by name (OPERANDS), None or absent where the kernel has none."""
     xp = problem.xp
     # Operands whose byte strides are not whole elements (exotic views) are copied once.
-    operands = [x if x is None or element_strides(x) is not None else xp.ascontiguousarray(x) for x in operands]
+    operands = {name: x if x is None or element_strides(x) is not None else xp.ascontiguousarray(x)
+                for name, x in operands.items()}
     nb = len(problem.batch)
-    strides = [element_strides(x)[:nb] if x is not None else (0,) * nb for x in operands]
-    shape, batch_strides = coalesce(problem.batch, strides)
+
+    def batch_strides_of(arrays, dims):
+        return [element_strides(arrays[name])[:dims] if arrays.get(name) is not None else (0,) * dims
+                for name in OPERANDS]
+
+    shape, batch_strides = coalesce(problem.batch, batch_strides_of(operands, nb))
     if len(shape) <= MAX_BATCH_DIMS:
         return [_launch(problem, operands, shape, batch_strides, e, plan, split_strides)]
     # Too many batch dims: launch per index of the leading ones, on views.
     lead = len(problem.batch) - MAX_BATCH_DIMS
     result = []
     for index in np.ndindex(*problem.batch[:lead]):
-        views = [None if x is None else x[index] for x in operands]
-        sub = [element_strides(x)[:MAX_BATCH_DIMS] if x is not None else (0,) * MAX_BATCH_DIMS for x in views]
-        sub_shape, sub_strides = coalesce(problem.batch[lead:], sub)
+        views = {name: None if x is None else x[index] for name, x in operands.items()}
+        sub_shape, sub_strides = coalesce(problem.batch[lead:], batch_strides_of(views, MAX_BATCH_DIMS))
         result.append(_launch(problem, views, sub_shape, sub_strides, e, plan, split_strides))
     return result
 
@@ -162,11 +187,12 @@ def geometry_table(shape, batch_strides, operands, plan: Plan, split_strides) ->
     table["batch_count"], table["rank"] = math.prod(shape), len(shape)
     table["shape"][:] = 1
     table["shape"][:len(shape)] = shape
-    for index, x in enumerate(operands):
+    for index, name in enumerate(OPERANDS):
+        x = operands.get(name)
         if x is not None:
             s = element_strides(x)
             op = table["op"][index]
-            op["row"], op["col"] = (s[-1], 0) if OPERANDS[index] == "lse" else s[-2:]
+            op["row"], op["col"] = (s[-1], 0) if name in ROW_VECTORS else s[-2:]
             op["batch"][:len(shape)] = batch_strides[index]
     table["split_keys"] = plan.split_keys
     table["split_out"], table["split_lse"] = split_strides
@@ -174,34 +200,40 @@ def geometry_table(shape, batch_strides, operands, plan: Plan, split_strides) ->
 
 
 def launch_flags(problem, operands) -> int:
-    q, k, v, mask, bias, out, lse = operands
     flags = 0
-    for bit, x in ((VECTOR_Q, q), (VECTOR_K, k), (VECTOR_V, v)):
-        if vector_ok(x, element_strides(x)):
+    for name, bit in VECTOR_FLAGS:
+        x = operands.get(name)
+        if x is not None and vector_ok(x, element_strides(x)):
             flags |= bit
-    if mask is not None:
+    if operands.get("mask") is not None:
         flags |= HAS_MASK
-    if bias is not None:
+    if operands.get("bias") is not None:
         flags |= HAS_BIAS | (BIAS_HIDES if problem.bias_hides else 0)
-    if lse is not None:
+    if operands.get("lse") is not None:
         flags |= WANT_LSE
+    if operands.get("dbias") is not None:
+        flags |= WANT_DBIAS
     return flags
 
 
+def scalar_values(problem, e, flags):
+    """Every scalar a kernel may take (Family.scalars picks its own), typed as the kernels declare them."""
+    acc = problem.acc_dtype
+    left, right = problem.window.reach(problem.n, problem.m)  # int64 whatever the sides
+    return {"n": np.int64(problem.n), "m": np.int64(problem.m), "d": np.int64(problem.d), "e": np.int64(e),
+            "scale_log2": acc.type(problem.scale * math.log2(math.e)), "scale": acc.type(problem.scale),
+            "left": np.int64(left), "right": np.int64(right), "flags": np.int32(flags)}
+
+
 def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_strides) -> Launch:
-    xp, acc = problem.xp, problem.acc_dtype
-    q, k, v, mask, bias, out, lse = operands
+    xp, family = problem.xp, plan.family
     table = geometry_table(shape, batch_strides, operands, plan, split_strides)
     flags = launch_flags(problem, operands)
     # Absent optional operands are passed as one-element arrays: never read, typed like the real thing.
-    mask = mask if mask is not None else placeholder(xp, np.bool_)
-    bias = bias if bias is not None else placeholder(xp, acc)
-    lse = lse if lse is not None else placeholder(xp, acc)
-    left, right = problem.window.reach(problem.n, problem.m)  # int64 whatever the sides
-    scale_log2 = acc.type(problem.scale * math.log2(math.e))
-    args = (q, k, v, mask, bias, out, lse, resident(xp, table),
-            np.int64(problem.n), np.int64(problem.m), np.int64(problem.d), np.int64(e),
-            scale_log2, np.int64(left), np.int64(right), np.int32(flags))
+    pointers = tuple(operands[name] if operands.get(name) is not None else
+                     placeholder(xp, np.bool_ if name == "mask" else problem.acc_dtype) for name in family.operands)
+    scalars = scalar_values(problem, e, flags)
+    args = pointers + (resident(xp, table),) + tuple(scalars[name] for name in family.scalars)
     batch_count = math.prod(shape)
     grid_y = max(1, min(batch_count, MAX_GRID_Y))
     grid = (plan.grid_x, grid_y, -(-batch_count // grid_y))
@@ -274,6 +306,17 @@ def run(problem, out, lse, plan: Plan, get_kernel: Callable[[Plan], Any]) -> Non
         combine(parts_out, parts_lse, out, lse, xp)
         return
     _run(launches(problem, out, lse, plan), plan, get_kernel)
+
+
+def run_backward(problem, plans, dout, out, lse, grads, get_kernel: Callable[[Plan], Any]) -> None:
+    """The backward kernels as planned (tiling.backward_plans): delta = rowsum(dout * out) first (FlashAttention-2's
+    preprocessing, in the accumulator type), then each kernel, the only writer of its gradients."""
+    xp, acc = problem.xp, problem.acc_dtype
+    with np.errstate(invalid="ignore", over="ignore"):
+        delta = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
+    for plan in plans:
+        if plan.grid_x:  # no keys: dk and dv are empty, dq stays 0
+            _run(backward_launches(problem, plan, dout, lse, delta, grads), plan, get_kernel)
 
 
 def _run(todo: List[Launch], plan: Plan, get_kernel) -> None:

@@ -1,4 +1,5 @@
-"""The planner: one heuristic walks the kernel families (tensorcore.FORWARD, cudacore.FORWARD) and returns a Plan,
+"""The planner: one heuristic walks the kernel families of a kind (the forward: tensorcore.FORWARD, then
+cudacore.FORWARD; the backward's two halves: cudacore.BACKWARD_DQ and cudacore.BACKWARD_DKDV) and returns a Plan,
 everything a launch needs (kernel, tiles, name expression, block, shared memory, key splits, column blocks), for
 a problem's Shape on a device, present or not. The launch code executes a plan and never plans.
 
@@ -17,35 +18,38 @@ from . import cudacore, tensorcore
 from .devices import KNOWN, DeviceLimits, fmt_bytes
 from .family import BlockConfig, Family, Shape
 
-__all__ = ["FAMILIES", "KNOWN", "BlockConfig", "DeviceLimits", "Family", "Plan", "Shape", "block_pair", "choose",
-           "accumulator_words", "family_of", "key_splits", "not_supported_reasons", "occupancy", "plan", "resolve",
-           "shared_memory_bytes", "split_keys"]
+__all__ = ["BACKWARD_KINDS", "FAMILIES", "FAMILIES_OF", "KNOWN", "BlockConfig", "DeviceLimits", "Family", "Plan",
+           "Shape", "accumulator_words", "backward_plans", "block_pair", "choose", "family_of", "key_splits",
+           "not_supported_reasons", "occupancy", "plan", "resolve", "shared_memory_bytes", "split_keys"]
 
 FAMILIES = (tensorcore.FORWARD, cudacore.FORWARD)  # preference order: the first whose candidates run is chosen
+# Every kind's families, in preference order. The backward is two kernels, each planned as a kind of its own.
+FAMILIES_OF = {"forward": FAMILIES, "dq": (cudacore.BACKWARD_DQ,), "dkdv": (cudacore.BACKWARD_DKDV,)}
+BACKWARD_KINDS = ("dkdv", "dq")
 DECODE_ROWS = 16  # queries per batch item up to which a few short query tiles and split keys serve (decoding)
 SPLIT_MIN_KEYS = 512  # keys a split sweeps at least: fewer, and merging the splits costs more than it gains
 
 
-BY_VARIANT = {family.variant: family for family in FAMILIES}
+VARIANTS_OF = {kind: {family.variant: family for family in families} for kind, families in FAMILIES_OF.items()}
 
 
-def unknown_variant(variant: str) -> str:
-    kinds = " or ".join(f"{f.variant!r} ({f.title} kernel)" for f in FAMILIES)
+def unknown_variant(variant: str, kind: str = "forward") -> str:
+    kinds = " or ".join(f"{f.variant!r} ({f.title} kernel)" for f in FAMILIES_OF[kind])
     return f"variant {variant!r} is not a kernel: {kinds}"
 
 
-def family_of(config: BlockConfig) -> Family:
-    if config.variant not in BY_VARIANT:
-        raise ValueError(f"attention: {unknown_variant(config.variant)}")
-    return BY_VARIANT[config.variant]
+def family_of(config: BlockConfig, kind: str = "forward") -> Family:
+    if config.variant not in VARIANTS_OF[kind]:
+        raise ValueError(f"attention: {unknown_variant(config.variant, kind)}")
+    return VARIANTS_OF[kind][config.variant]
 
 
 def not_supported_reasons(shape: Shape, config: BlockConfig, device: DeviceLimits, *,
-                          suggest: bool = True) -> List[str]:
+                          suggest: bool = True, kind: str = "forward") -> List[str]:
     """Every reason `config` cannot run `shape` on `device`, as sentences (empty: supported)."""
-    if config.variant not in BY_VARIANT:
-        return [unknown_variant(config.variant)]
-    return BY_VARIANT[config.variant].not_supported_reasons(shape, config, device, suggest=suggest)
+    if config.variant not in VARIANTS_OF[kind]:
+        return [unknown_variant(config.variant, kind)]
+    return VARIANTS_OF[kind][config.variant].not_supported_reasons(shape, config, device, suggest=suggest)
 
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
@@ -92,15 +96,15 @@ def _decode_fit(shape: Shape, device: DeviceLimits) -> Optional[BlockConfig]:
     return None
 
 
-def choose(shape: Shape, device: DeviceLimits) -> BlockConfig:
-    """The heuristic's configuration for shape on `device`: the first family (tensor cores, then CUDA cores) with
-    a candidate that runs; ValueError when none fits. With n, m and the batch known, decoding-shaped problems take
-    the CUDA-core kernel with split keys."""
-    config = _decode_fit(shape, device)
-    for family in FAMILIES:
+def choose(shape: Shape, device: DeviceLimits, kind: str = "forward") -> BlockConfig:
+    """The heuristic's configuration for shape on `device`: the first family of the kind (tensor cores, then CUDA
+    cores) with a candidate that runs; ValueError when none fits. With n, m and the batch known, decoding-shaped
+    forward problems take the CUDA-core kernel with split keys."""
+    config = _decode_fit(shape, device) if kind == "forward" else None
+    for family in FAMILIES_OF[kind]:
         config = config or family.first_fit(shape, device)
     if config is None:
-        reasons = cudacore.FORWARD.eligibility(shape, device)
+        reasons = FAMILIES_OF[kind][-1].eligibility(shape, device)
         raise ValueError("attention: " + ("; ".join(reasons) if reasons else
                          f"no block configuration fits {shape} on {device.name}: it allows "
                          f"{fmt_bytes(device.smem_per_block)} of shared memory per block"))
@@ -120,14 +124,15 @@ def block_pair(block) -> Tuple[int, int]:
     return int(br), int(bc)
 
 
-def resolve(block, shape: Shape, device: DeviceLimits) -> BlockConfig:
+def resolve(block, shape: Shape, device: DeviceLimits, kind: str = "forward") -> BlockConfig:
     """The configuration to run: the heuristic's for block=None; the heuristic's within one family for block=its
     variant ("mma", "fma"); else `block` ((Br, Bc), in the first family that runs them, or a BlockConfig)
     validated. ValueError listing every reason when it cannot run."""
     if block is None:
-        return choose(shape, device)
-    if isinstance(block, str) and block in BY_VARIANT:
-        family = BY_VARIANT[block]
+        return choose(shape, device, kind)
+    variants = VARIANTS_OF[kind]
+    if isinstance(block, str) and block in variants:
+        family = variants[block]
         config = family.first_fit(shape, device)
         if config is None:
             probe = BlockConfig(64, 64, 4, family.stages[0], family.variant)
@@ -139,10 +144,10 @@ def resolve(block, shape: Shape, device: DeviceLimits) -> BlockConfig:
         config = block
     else:
         br, bc = block_pair(block)
-        fits = (family.with_warps(br, bc, shape, device) for family in FAMILIES)
+        fits = (family.with_warps(br, bc, shape, device) for family in FAMILIES_OF[kind])
         # None runs them: the last family's (CUDA cores) with 4 warps, whose reasons are shown.
         config = next((c for c in fits if c is not None), BlockConfig(br, bc, 4))
-    reasons = not_supported_reasons(shape, config, device)
+    reasons = not_supported_reasons(shape, config, device, kind=kind)
     if reasons:
         raise ValueError(f"attention: block {config} cannot run here: " + "; ".join(reasons))
     return config
@@ -156,7 +161,8 @@ def resolve(block, shape: Shape, device: DeviceLimits) -> BlockConfig:
 class Plan:
     """Everything a launch needs, decided once. shape: what it was planned for (the launch checks its problem
     against it). name: the name expression of the instantiation (the split one when splits > 1), compiled from
-    kernels/`source`. query_tiles: blocks along the query axis per key split (0: n unknown). splits: key splits
+    kernels/`source`. tiles: blocks along the grid's x axis per key split, one per query tile or, for a family
+    tiled along the keys, per key tile (0: n or m unknown). splits: key splits
     (1: none), each of split_keys keys. column_blocks: the [e0, e1) output columns of each launch."""
 
     shape: Shape
@@ -166,14 +172,14 @@ class Plan:
     source: str
     block: Tuple[int, int, int]
     shared_mem: int
-    query_tiles: int
+    tiles: int
     splits: int
     split_keys: int
     column_blocks: Tuple[Tuple[int, int], ...]
 
     @property
     def grid_x(self) -> int:
-        return self.query_tiles * self.splits
+        return self.tiles * self.splits
 
 
 def split_keys(m: int, splits: int, Bc: int) -> Tuple[int, int]:
@@ -183,16 +189,27 @@ def split_keys(m: int, splits: int, Bc: int) -> Tuple[int, int]:
     return keys, -(-m // keys)
 
 
-def plan(shape: Shape, device: DeviceLimits, block=None) -> Plan:
-    """The plan for shape on device: the configuration resolve(block, ...) gives, and all that follows from it."""
-    config = resolve(block, shape, device)
-    family = family_of(config)
+def plan(shape: Shape, device: DeviceLimits, block=None, kind: str = "forward") -> Plan:
+    """The plan for shape on device: the configuration resolve(block, ...) gives, and all that follows from it.
+    kind: "forward", or one half of the backward ("dq", "dkdv"; backward_plans plans both)."""
+    config = resolve(block, shape, device, kind)
+    family = family_of(config, kind)
     keys, count = 0, 1
-    if shape.m:
+    if shape.m and kind == "forward":
         keys, count = split_keys(shape.m, key_splits(shape, config, device), config.Bc)
         keys = keys if count > 1 else 0
     return Plan(
         shape=shape, config=config, family=family, name=family.name_expression(shape, config, split=count > 1),
         source=family.source, block=(config.threads, 1, 1), shared_mem=family.shared_memory_bytes(shape, config),
-        query_tiles=-(-shape.n // config.Br) if shape.n is not None else 0, splits=count, split_keys=keys,
+        tiles=family.tiles(shape, config), splits=count, split_keys=keys,
         column_blocks=family.column_blocks(shape, config))
+
+
+def backward_plans(shape: Shape, device: DeviceLimits, block=None) -> Optional[Tuple[Plan, ...]]:
+    """The backward kernels' plans (dK and dV, then dQ), each kind planned by the heuristic (or with `block`
+    forced, validated for both); None when block is None and no backward kernel serves the shape here (head dims
+    past the kernels', or too little shared memory): the blocked backward serves it."""
+    if block is None and any(family.first_fit(shape, device) is None for kind in BACKWARD_KINDS
+                             for family in FAMILIES_OF[kind]):
+        return None
+    return tuple(plan(shape, device, block, kind) for kind in BACKWARD_KINDS)

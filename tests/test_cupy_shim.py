@@ -644,28 +644,38 @@ def test_harness_keeps_views_on_the_device(cupy):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The backward on CuPy arrays: the blocked path on the array library's matmul (until the CUDA backward kernels)
+# The backward on CuPy arrays: the backward kernels (the simt backend runs the same source and plans on NumPy
+# arrays), and past their head dims the blocked path on the array library's matmul
 
 
-def test_backward_on_cupy_arrays_is_the_blocked_path_bit_for_bit(cupy):
-    from reference import assert_grads_accurate
-    rng = np.random.default_rng(21)
-    q = rng.standard_normal((2, 4, 30, 16)).astype(np.float32)
-    k = rng.standard_normal((2, 1, 700, 16)).astype(np.float32)  # grouped-query heads, two key tiles
-    v = rng.standard_normal((2, 1, 700, 8)).astype(np.float32)
-    mask = rng.random((30, 700)) < 0.9
-    bias = rng.standard_normal((4, 30, 700)).astype(np.float32)
+def _backward_case(rng, d):
+    q = rng.standard_normal((2, 4, 30, d)).astype(np.float32)
+    k = rng.standard_normal((2, 1, 300, d)).astype(np.float32)  # grouped-query heads, several key tiles
+    v = rng.standard_normal((2, 1, 300, 8)).astype(np.float32)
+    mask = rng.random((30, 300)) < 0.9
+    bias = rng.standard_normal((4, 30, 300)).astype(np.float32)
     k[..., 5, :], v[..., 6, :] = np.nan, np.inf
     mask[:, 5:7] = False  # hidden non-finite keys and values
-    options = dict(mask=mask, bias=bias, causal=True, window=(300, None))
+    options = dict(mask=mask, bias=bias, causal=True, window=(200, None))
     out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
     dout = rng.standard_normal(out.shape).astype(np.float32)
-    expected = cuflash.attention_backward(dout, q, k, v, out, lse, bias_grad=True, **options)
-    on_device = [cupy.asarray(x) for x in (dout, q, k, v, out, lse)]
-    device_options = dict(options, mask=cupy.asarray(mask), bias=cupy.asarray(bias))
-    grads = cuflash.attention_backward(*on_device, bias_grad=True, **device_options)
+    return (dout, q, k, v, out, lse), options
+
+
+@pytest.mark.parametrize("d, twin", [(16, "simt"), (300, "numpy")])
+def test_backward_on_cupy_arrays_bit_for_bit(cupy, d, twin):
+    """d = 16: the kernels, the same bits as the simt backend's; d = 300, past the kernels: the blocked path, the
+    same bits as the numpy backend's."""
+    from reference import assert_grads_accurate
+    arrays, options = _backward_case(np.random.default_rng(21), d)
+    expected = cuflash.attention_backward(*arrays, bias_grad=True, backend=twin, **options)
+    device_options = dict(options, mask=cupy.asarray(options["mask"]), bias=cupy.asarray(options["bias"]))
+    before = len(_State.launches)
+    grads = cuflash.attention_backward(*(cupy.asarray(x) for x in arrays), bias_grad=True, **device_options)
+    kernels = {name.split("<")[0] for name, *_ in _State.launches[before:]}
+    assert kernels == ({"cuflash::bwd_dq", "cuflash::bwd_dkdv"} if twin == "simt" else set())
     assert all(isinstance(g, cupy.ndarray) for g in grads)
     for got, want in zip(grads, expected):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert got.get().tobytes() == want.tobytes()
-    assert_grads_accurate([g.get() for g in grads], dout, q, k, v, **options)
+    assert_grads_accurate([g.get() for g in grads], *arrays[:4], **options)

@@ -27,7 +27,7 @@ def compiler_verdict(asserts):
 
 
 @pytest.mark.parametrize("drift", ["cuflash::kMaxBatchDims == 6", "(int)cuflash::kLse == 6", "kBiasHides == 64",
-                                   "Geometry, split_out) == 520", "sizeof(cuflash::OperandStrides) == 64"])
+                                   "Geometry, split_out) == 904", "sizeof(cuflash::OperandStrides) == 64"])
 def test_a_drifted_declaration_is_caught(drift):
     asserts = [a.replace(drift, drift[:-1] + "1", 1) for a in launch.layout_asserts()]
     assert sum(drift in a for a in launch.layout_asserts()) == 1

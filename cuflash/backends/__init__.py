@@ -2,7 +2,9 @@
 
 A backend is a module with `ARRAYS` ("numpy" or "cupy": the arrays it runs on), `unavailable()` (a sentence
 saying why it cannot run here, or None) and `run(problem, out, lse, block=None)`, which writes the result into
-out ((*batch, n, e) of problem.dtype, possibly strided) and, when lse is not None, the row log-sum-exp into lse.
+out ((*batch, n, e) of problem.dtype, possibly strided) and, when lse is not None, the row log-sum-exp into lse;
+and `run_backward(problem, dout, out, lse, grads, block=None)`, which writes the gradients into grads = (dq, dk, dv,
+dbias or None), zeroed arrays over the whole batch in the accumulator type.
 """
 
 from __future__ import annotations

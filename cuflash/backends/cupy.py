@@ -44,32 +44,46 @@ def device_limits(device_id: int) -> DeviceLimits:
 
 def run(problem, out, lse, block=None):
     device = out.device
-    # Every pointer must be on the device the kernel runs on (else an illegal address, or a peer access).
-    operands = {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": problem.bias,
-                "out": out, "lse": lse}
+    check_one_device({"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": problem.bias,
+                      "out": out, "lse": lse})
+    with device:
+        limits = device_limits(device.id)
+        plan = tiling.plan(problem.shape, limits, block)
+        launch.run(problem, out, lse, plan, kernels_for(device.id, limits, chosen=block is None))
+
+
+def run_backward(problem, dout, out, lse, grads, block=None):
+    """The backward kernels (kernels/backward.cuh) as planned; past their head dims or shared memory, the blocked
+    backward (the numpy backend's, run on the CuPy arrays with CuPy's matmul; memory bounded, no atomics)."""
+    device = grads[0].device
+    check_one_device({"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": problem.bias,
+                      "dout": dout, "out": out, "lse": lse})
+    with device:
+        limits = device_limits(device.id)
+        plans = tiling.backward_plans(problem.shape, limits, block)
+        if plans is None:
+            from . import numpy as blocked
+            blocked.run_backward(problem, dout, out, lse, grads)
+            return
+        launch.run_backward(problem, plans, dout, out, lse, grads,
+                            kernels_for(device.id, limits, chosen=block is None))
+
+
+def check_one_device(operands) -> None:
+    """Every pointer must be on the device the kernel runs on (else an illegal address, or a peer access)."""
     where = {name: x.device.id for name, x in operands.items() if x is not None}
     if len(set(where.values())) > 1:
         listed = ", ".join(f"{name} on {dev}" for name, dev in where.items())
         raise ValueError(f"attention: operands are on different devices ({listed}); move them to one device "
                          f"with cupy.asarray inside `with cupy.cuda.Device(i)`")
-    with device:
-        limits = device_limits(device.id)
-        plan = tiling.plan(problem.shape, limits, block)
-        chosen = block is None
-
-        def get_kernel(plan):
-            return kernel(device.id, plan, limits, check_spills=chosen)
-
-        launch.run(problem, out, lse, plan, get_kernel)
 
 
-def run_backward(problem, dout, out, lse, grads, block=None):
-    """The backward until the CUDA backward kernels exist: the numpy backend's blocked FlashAttention-2 backward,
-    run on the CuPy arrays themselves (CuPy's matmul; memory bounded like the forward's, no atomics). block, as
-    there: (rows per step, keys per tile)."""
-    from . import numpy as blocked
-    with out.device:
-        blocked.run_backward(problem, dout, out, lse, grads, block=block)
+def kernels_for(device_id: int, limits, chosen: bool):
+    """get_kernel for launch.run: a plan's compiled kernel on this device (spills checked where the heuristic
+    chose the configuration)."""
+    def get_kernel(plan):
+        return kernel(device_id, plan, limits, check_spills=chosen)
+    return get_kernel
 
 
 def kernel(device_id: int, plan: tiling.Plan, limits, check_spills=True):

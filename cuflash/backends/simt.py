@@ -29,6 +29,17 @@ def run(problem, out, lse, block=None):
     launch.run(problem, out, lse, tiling.plan(problem.shape, DEVICE, block), get_kernel)
 
 
+def run_backward(problem, dout, out, lse, grads, block=None):
+    """The backward kernels (kernels/backward.cuh) as planned; past their head dims, the blocked backward (the
+    numpy backend's, on these NumPy arrays)."""
+    plans = tiling.backward_plans(problem.shape, DEVICE, block)
+    if plans is None:
+        from . import numpy as blocked
+        blocked.run_backward(problem, dout, out, lse, grads)
+        return
+    launch.run_backward(problem, plans, dout, out, lse, grads, get_kernel)
+
+
 def get_kernel(plan: tiling.Plan):
     from .. import simt
 

@@ -7,11 +7,11 @@
 
 namespace cuflash {
 
-// Launch flags (one int): which operands take 16-byte loads, and which optional operands exist.
-// The bias comes in the accumulator type (the launch casts the un-broadcast original once).
+// Launch flags (one int, forward and backward): which operands take 16-byte loads, and which optional operands
+// exist. The bias comes in the accumulator type (the launch casts the un-broadcast original once).
 // kBiasHides: the bias may hold -inf, which hides its key as the mask does (by selection, per element).
-enum ForwardFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32,
-                    kBiasHides = 64 };
+enum LaunchFlags { kVectorQ = 1, kVectorK = 2, kVectorV = 4, kHasMask = 8, kHasBias = 16, kWantLse = 32,
+                   kBiasHides = 64, kVectorDout = 128, kWantDbias = 256 };
 
 // What a block of either forward kernel reads of the launch: its query tile (rows [i0, i0 + rows)), the keys it
 // sweeps, every operand's base offset for its batch item and strides (references into the geometry table, read

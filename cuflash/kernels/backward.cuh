@@ -1,0 +1,316 @@
+// The backward pass on CUDA cores (FMA): FlashAttention-2's Algorithm 2 as two kernels, each the only writer of
+// what it writes, so the gradients are the same bits run after run (no floating-point atomics, whose order varies).
+//
+//   bwd_dkdv: one block per Bc keys of a batch item. It sweeps the query tiles that see those keys, recomputes
+//             P_ij = exp(S_ij - lse_i) from q, k and the forward's lse, and accumulates in registers
+//             dV_j += P_ij^T dO_i and dK_j += scale dS_ij^T Q_i, where dS_ij = P_ij * (dO_i V_j^T - D_i).
+//   bwd_dq:   one block per Br queries. It sweeps the key tiles they see, recomputes P_ij and dS_ij the same way,
+//             accumulates dQ_i += scale dS_ij K_j, and writes dbias_ij = dS_ij when asked.
+//
+// D_i = rowsum(dO_i * O_i) is FlashAttention-2's preprocessing; the launch code computes it. Recomputing S and dP
+// in both kernels costs two more tile products than one kernel with atomic dQ; it buys determinism.
+//
+// Thread layout as the forward's (forward.cuh): kLanesPerRow = 16 consecutive lanes share a row group of the
+// block's own rows (queries in bwd_dq, keys in bwd_dkdv); lane tx owns columns tx, tx + 16, ... of the swept tile
+// and of the head dims. Scores, dP and the block's gradients live in registers; P and dS pass through shared
+// memory to be read by rows. Hidden pairs are skipped by selection (P's shared tile holds hidden_p for them), so
+// a NaN or inf in a hidden key, value or query row never reaches a gradient through 0 * inf.
+//
+// Template: T element type; Br queries and Bc keys per tile; D, E head-dimension buckets (d <= D and e <= E: the
+// planner sends wider heads to the blocked path); Warps per block.
+#pragma once
+
+#include "forward.cuh"
+
+namespace cuflash {
+
+// Shared memory of one backward block, all dynamic: the query tile's Q and dO, the key tile's K and V (rows padded
+// to an odd number of 32-bit words, as the forward's), P and dS over (own rows) x (swept columns) in the
+// accumulator type, and the query tile's lse shift and D_i. KeysOwn: bwd_dkdv's layout (own rows are keys).
+// cuflash/cudacore.py's backward shared-memory model mirrors this layout exactly.
+template <typename T, int Br, int Bc, int D, int E, bool KeysOwn>
+struct BackwardShared {
+    using Acc = typename AccOf<T>::type;
+    static constexpr int kPad = ForwardShared<T, Br, Bc, D, E>::kPad;
+    static constexpr int LDD = D + kPad, LDE = E + kPad;
+    static constexpr int Queries = Br, Rows = KeysOwn ? Bc : Br, LDP = (KeysOwn ? Br : Bc) + 1;
+    static constexpr size_t q_offset = 0;
+    static constexpr size_t do_offset = q_offset + align16(sizeof(T) * Br * LDD);
+    static constexpr size_t k_offset = do_offset + align16(sizeof(T) * Br * LDE);
+    static constexpr size_t v_offset = k_offset + align16(sizeof(T) * Bc * LDD);
+    static constexpr size_t p_offset = v_offset + align16(sizeof(T) * Bc * LDE);
+    static constexpr size_t ds_offset = p_offset + align16(sizeof(Acc) * Rows * LDP);
+    static constexpr size_t rows_offset = ds_offset + align16(sizeof(Acc) * Rows * LDP);
+    static constexpr size_t bytes = rows_offset + align16(sizeof(Acc) * 2 * Br);
+};
+
+// The shared tiles of one backward block, by name.
+template <typename T, typename Smem> struct BackwardTiles {
+    using Acc = typename AccOf<T>::type;
+    T *Q, *dO, *K, *V;
+    Acc *P, *dS, *shift, *delta;
+    __device__ __forceinline__ explicit BackwardTiles(unsigned char* smem)
+        : Q(reinterpret_cast<T*>(smem + Smem::q_offset)), dO(reinterpret_cast<T*>(smem + Smem::do_offset)),
+          K(reinterpret_cast<T*>(smem + Smem::k_offset)), V(reinterpret_cast<T*>(smem + Smem::v_offset)),
+          P(reinterpret_cast<Acc*>(smem + Smem::p_offset)), dS(reinterpret_cast<Acc*>(smem + Smem::ds_offset)),
+          shift(reinterpret_cast<Acc*>(smem + Smem::rows_offset)), delta(shift + Smem::Queries) {}
+};
+
+// The parameters both backward kernels take, in the order the launch code passes them (cudacore.BACKWARD_*'s
+// operands and scalars).
+#define CUFLASH_BACKWARD_PARAMS                                                                                 \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const bool *__restrict__ mask,  \
+        const typename AccOf<T>::type *__restrict__ bias, const T *__restrict__ dout,                          \
+        const typename AccOf<T>::type *__restrict__ lse, const typename AccOf<T>::type *__restrict__ delta,    \
+        typename AccOf<T>::type *__restrict__ dq, typename AccOf<T>::type *__restrict__ dk,                    \
+        typename AccOf<T>::type *__restrict__ dv, typename AccOf<T>::type *__restrict__ dbias,                 \
+        const long long *__restrict__ geometry, long long n, long long m, long long d, long long e,            \
+        typename AccOf<T>::type scale_log2, typename AccOf<T>::type scale, long long left, long long right,    \
+        int flags
+
+// Queries [begin, end) that see any of the keys [j0, j1): key_range's inverse (j is visible to i when
+// i + offset - left <= j <= i + offset + right).
+__device__ __forceinline__ KeyRange query_range(long long j0, long long j1, long long n, long long offset,
+                                                long long left, long long right) {
+    const long long begin = max_ll(0, j0 - offset - right);
+    const long long end = min_ll(n, j1 - 1 - offset + left + 1);
+    return {begin, max_ll(begin, end)};
+}
+
+// The query rows [i0, i0 + rows)'s terms in shared memory: the lse in the log2 domain (0 for a row that saw no
+// key, so its P = exp2(-inf - 0) = 0, never NaN) and D_i. Rows past `rows` get 0.
+template <int Br, int Threads, typename Acc>
+__device__ __forceinline__ void load_row_terms(Acc* shift, Acc* delta_s, const Acc* lse, const Acc* delta,
+                                               const Geometry& g, const BatchOffsets& base, long long i0, int rows) {
+    constexpr Acc kLog2e = Acc(1.4426950408889634);
+    for (int r = threadIdx.x; r < Br; r += Threads) {
+        Acc s = Acc(0), dd = Acc(0);
+        if (r < rows) {
+            const Acc l = lse[base.of[kLse] + (i0 + r) * g.op[kLse].row];
+            s = l == -infinity<Acc>() ? Acc(0) : l * kLog2e;
+            dd = delta[base.of[kDelta] + (i0 + r) * g.op[kDelta].row];
+        }
+        shift[r] = s;
+        delta_s[r] = dd;
+    }
+}
+
+// P_ij and dS_ij of one (query, key) pair from its raw score S = q_i . k_j and dP = dO_i . v_j: visibility, scale
+// and bias as the forward's (visible_score), P = exp2(s - lse_i log2 e). P is hidden_p and dS 0 for a hidden pair.
+template <typename A>
+__device__ __forceinline__ void score_gradient(A S, A dP, A shift, A delta_i, A scale_log2,
+                                               const BlockOperands& ops, const A* bias, const bool* mask,
+                                               long long i, long long j, int jj, int cols, long long n,
+                                               long long left, long long right, bool partial, A& p, A& ds) {
+    bool visible;
+    const A s = visible_score(S, scale_log2, ops, bias, mask, i, j, jj, cols, n, left, right, partial, visible);
+    p = exp2_(s - shift);
+    ds = visible ? p * (dP - delta_i) : A(0);
+    p = visible ? p : hidden_p<A>();
+}
+
+// Acc[R][C] += X_rows . Y_cols over `width` columns of two shared tiles: rows ty * R + a of X (pitch LDX),
+// columns tx + 16 c of Y (pitch LDY), as the forward's S = Q K^T.
+template <int R, int C, int LDX, int LDY, typename T, typename Acc>
+__device__ __forceinline__ void tile_product(Acc (&out)[R][C], const T* X, const T* Y, int width, int ty, int tx) {
+#pragma unroll 2
+    for (int x = 0; x < width; ++x) {
+        Acc a_x[R], b_x[C];
+#pragma unroll
+        for (int a = 0; a < R; ++a) a_x[a] = to_acc(X[(ty * R + a) * LDX + x]);
+#pragma unroll
+        for (int c = 0; c < C; ++c) b_x[c] = to_acc(Y[(tx + kLanesPerRow * c) * LDY + x]);
+#pragma unroll
+        for (int a = 0; a < R; ++a)
+#pragma unroll
+            for (int c = 0; c < C; ++c) out[a][c] += a_x[a] * b_x[c];
+    }
+}
+
+// Acc[R][C] += W_rows . Y over the `count` swept columns: W (pitch LDW) one of the shared P, dS tiles, Y's rows
+// the swept tile's (pitch LDY), columns tx + 16 c; on partial tiles the hidden pairs (P < 0) are skipped.
+template <int R, int C, int LDW, int LDY, typename T, typename Acc>
+__device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, const Acc* P, const T* Y, int count,
+                                              bool partial, int ty, int tx) {
+#pragma unroll 2
+    for (int j = 0; j < count; ++j) {
+        Acc w_j[R], y_j[C];
+        bool hidden[R];
+#pragma unroll
+        for (int a = 0; a < R; ++a) {
+            w_j[a] = W[(ty * R + a) * LDW + j];
+            hidden[a] = partial && P[(ty * R + a) * LDW + j] < Acc(0);
+        }
+#pragma unroll
+        for (int c = 0; c < C; ++c) y_j[c] = to_acc(Y[j * LDY + tx + kLanesPerRow * c]);
+#pragma unroll
+        for (int a = 0; a < R; ++a)
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                const Acc o = out[a][c] + w_j[a] * y_j[c];
+                out[a][c] = hidden[a] ? out[a][c] : o;
+            }
+    }
+}
+
+template <int R, int C, typename Acc> __device__ __forceinline__ void zero(Acc (&x)[R][C]) {
+#pragma unroll
+    for (int a = 0; a < R; ++a)
+#pragma unroll
+        for (int c = 0; c < C; ++c) x[a][c] = Acc(0);
+}
+
+// rows x width of scale * G (rows ty * R + a, columns tx + 16 c) to dst (row and column strides).
+template <int R, int C, typename Acc>
+__device__ __forceinline__ void store_rows(Acc* dst, const Acc (&G)[R][C], Acc scale, long long row_stride,
+                                           long long col_stride, int rows, long long width, int ty, int tx) {
+#pragma unroll
+    for (int a = 0; a < R; ++a) {
+        const int r = ty * R + a;
+        if (r >= rows) continue;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const int col = tx + kLanesPerRow * c;
+            if (col < width) dst[r * row_stride + col * col_stride] = scale * G[a][c];
+        }
+    }
+}
+
+template <typename T, int Br, int Bc, int D, int E, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS) {
+    using Acc = typename AccOf<T>::type;
+    using Smem = BackwardShared<T, Br, Bc, D, E, false>;
+    constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
+    constexpr int RPT = Br / RG, CPT = Bc / TC, DPT = D / TC;  // rows, key columns, d columns per thread
+    static_assert(Br % RG == 0 && Bc % TC == 0 && D % TC == 0 && E % TC == 0, "unsupported tile shape");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const BackwardTiles<T, Smem> s(smem);
+    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
+    const long long b = batch_item();
+    if (b >= g.batch_count) return;
+    const BlockOperands ops = block_operands<Br, false>(g, b, n, m, left, right, flags);
+    const long long i0 = ops.i0;
+    const int rows = ops.rows;
+    const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
+    const OperandStrides &gdo = g.op[kDout], &gdq = g.op[kDq], &gdb = g.op[kDbias];
+
+    load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
+                                            (int)d, flags & kVectorQ);
+    load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col, rows,
+                                            (int)e, flags & kVectorDout);
+    load_row_terms<Br, Threads>(s.shift, s.delta, lse, delta, g, ops.base, i0, rows);
+
+    Acc dQ[RPT][DPT];
+    zero(dQ);
+    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc) {
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        __syncthreads();  // the previous tile's K, P and dS are read (at the first: Q, dO and the row terms landed)
+        load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
+                                                cols, (int)d, flags & kVectorK);
+        load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
+                                                cols, (int)e, flags & kVectorV);
+        __syncthreads();
+
+        Acc S[RPT][CPT], dP[RPT][CPT];
+        zero(S);
+        zero(dP);
+        tile_product<RPT, CPT, Smem::LDD, Smem::LDD>(S, s.Q, s.K, (int)d, ty, tx);
+        tile_product<RPT, CPT, Smem::LDE, Smem::LDE>(dP, s.dO, s.V, (int)e, ty, tx);
+
+        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
+#pragma unroll
+        for (int a = 0; a < RPT; ++a) {
+            const int r = ty * RPT + a;
+            const long long i = i0 + r;
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) {
+                const int jj = tx + TC * c;
+                Acc p, ds;
+                score_gradient(S[a][c], dP[a][c], s.shift[r], s.delta[r], scale_log2, ops, bias, mask, i, j0 + jj,
+                               jj, cols, n, left, right, partial, p, ds);
+                s.P[r * Smem::LDP + jj] = p;
+                s.dS[r * Smem::LDP + jj] = ds;
+                if ((flags & kWantDbias) && r < rows && jj < cols)
+                    dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
+            }
+        }
+        __syncthreads();
+        weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, s.K, cols, partial, ty, tx);
+    }
+    store_rows(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, rows, d, ty, tx);
+}
+
+template <typename T, int Br, int Bc, int D, int E, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAMS) {
+    using Acc = typename AccOf<T>::type;
+    using Smem = BackwardShared<T, Br, Bc, D, E, true>;
+    constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
+    constexpr int RPT = Bc / RG, CPT = Br / TC, DPT = D / TC, EPT = E / TC;  // keys, query columns, d, e per thread
+    static_assert(Bc % RG == 0 && Br % TC == 0 && D % TC == 0 && E % TC == 0, "unsupported tile shape");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const BackwardTiles<T, Smem> s(smem);
+    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
+    const long long b = batch_item();
+    if (b >= g.batch_count) return;
+    const long long j0 = blockIdx.x * (long long)Bc, offset = m - n;
+    const int keys = (int)min_ll(Bc, m - j0);
+    const KeyRange queries = query_range(j0, j0 + keys, n, offset, left, right);
+    // The forward's view of the launch, for visible_score and tile_is_partial: its query tile is the swept one.
+    BlockOperands ops{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK], g.op[kV],
+                      g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset, (flags & kHasMask) != 0,
+                      (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
+    const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
+    const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
+
+    load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
+                                            (int)d, flags & kVectorK);
+    load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
+                                            (int)e, flags & kVectorV);
+
+    Acc dK[RPT][DPT], dV[RPT][EPT];
+    zero(dK);
+    zero(dV);
+    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br) {
+        const int rows = (int)min_ll(Br, queries.end - i0);
+        ops.i0 = i0;
+        ops.rows = rows;
+        __syncthreads();  // the previous tile's Q, dO, P and dS are read (at the first: K and V landed)
+        load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
+                                                rows, (int)d, flags & kVectorQ);
+        load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
+                                                rows, (int)e, flags & kVectorDout);
+        load_row_terms<Br, Threads>(s.shift, s.delta, lse, delta, g, ops.base, i0, rows);
+        __syncthreads();
+
+        Acc S[RPT][CPT], dP[RPT][CPT];  // transposed: keys by row, queries by column
+        zero(S);
+        zero(dP);
+        tile_product<RPT, CPT, Smem::LDD, Smem::LDD>(S, s.K, s.Q, (int)d, ty, tx);
+        tile_product<RPT, CPT, Smem::LDE, Smem::LDE>(dP, s.V, s.dO, (int)e, ty, tx);
+
+        const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
+#pragma unroll
+        for (int a = 0; a < RPT; ++a) {
+            const int r = ty * RPT + a;
+#pragma unroll
+            for (int c = 0; c < CPT; ++c) {
+                const int ii = tx + TC * c;
+                Acc p, ds;
+                // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
+                score_gradient(S[a][c], dP[a][c], s.shift[ii], s.delta[ii], scale_log2, ops, bias, mask, i0 + ii,
+                               j0 + r, r, keys, i0 + rows, left, right, partial, p, ds);
+                s.P[r * Smem::LDP + ii] = p;
+                s.dS[r * Smem::LDP + ii] = ds;
+            }
+        }
+        __syncthreads();
+        weighted_rows<RPT, EPT, Smem::LDP, Smem::LDE>(dV, s.P, s.P, s.dO, rows, partial, ty, tx);
+        weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, s.Q, rows, partial, ty, tx);
+    }
+    store_rows(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, keys, d, ty, tx);
+    store_rows(dv + ops.base.of[kDv] + j0 * gdv.row, dV, Acc(1), gdv.row, gdv.col, keys, e, ty, tx);
+}
+
+}  // namespace cuflash
