@@ -11,7 +11,7 @@ import numpy as np
 import cuflash
 import cuflash.simt
 from cuflash import BlockConfig
-from reference import assert_accurate
+from reference import assert_accurate, assert_grads_accurate
 from strategies import randn
 
 
@@ -67,6 +67,23 @@ def case_mma():
     v = randn(rng, (1, 1100, 2 * 19), np.float16)[..., ::2]
     out, lse = cuflash.attention(q, k, v, backend="simt", block="mma", return_lse=True)
     assert_accurate(out, q, k, v, lse=lse)
+
+
+def case_backward():
+    """Both backward kernels: tails of both tiles, strided and reversed views, mask, bias with its gradient,
+    window, grouped-query broadcasting; the planner's 8-warp tiles and small ones."""
+    rng = np.random.default_rng(8)
+    q = randn(rng, (2, 37, 2 * 19), np.float32)[..., ::2]
+    k, v = randn(rng, (1, 45, 19), np.float32), randn(rng, (2, 45, 23), np.float32)[:, ::-1]
+    mask = rng.random((37, 45)) < 0.8
+    bias = randn(rng, (2, 1, 45), np.float32)
+    options = dict(mask=mask, bias=bias, window=(9, 4))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dout = randn(rng, out.shape, np.float32)
+    for block in [BlockConfig(16, 16, 2), None]:
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", block=block, bias_grad=True,
+                                           **options)
+        assert_grads_accurate(grads, dout, q, k, v, **options)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -57,6 +57,8 @@ MMA = "tests/test_kernel_mma.py::test_matches_reference"
 MMA_SPLIT = "tests/test_kernel_mma.py::test_split_keys"
 PTX = "tests/simt/test_simt_ptx.py"
 BACKWARD = "tests/test_backward.py"
+BWD_SIMT_FILE = "tests/test_backward_simt.py"
+BWD_SIMT = f"{BWD_SIMT_FILE}::test_matches_reference"
 
 MUTANTS = (
     # ---- the front door and the Problem
@@ -160,6 +162,26 @@ MUTANTS = (
     m("fma-multiply-by-zero", "cuflash/kernels/forward.cuh",
       [("(hidden[a] >> c & 1u) ? hidden_p<Acc>() : p", "p")], [FMA, FMA_NAN],
       "hidden keys weighted by exp2(-inf) = 0 instead of skipped: 0 * inf = NaN leaks"),
+    # ---- the CUDA-core backward kernels
+    m("bwd-no-delta-kernels", "cuflash/kernels/backward.cuh",
+      [("ds = visible ? p * (dP - delta_i) : A(0);", "ds = visible ? p * dP : A(0);")], [BWD_SIMT],
+      "dS without D_i = rowsum(dO * O) in both kernels"),
+    m("bwd-multiply-by-zero", "cuflash/kernels/backward.cuh",
+      [("hidden[a] = partial && P[(ty * R + a) * LDW + j] < Acc(0);", "hidden[a] = false;")],
+      [BWD_SIMT, f"{BWD_SIMT_FILE}::test_hidden_non_finite_keys_never_leak"],
+      "hidden pairs weighted by 0 instead of skipped: an inf in a hidden key or query row leaks as NaN"),
+    m("bwd-dq-missing-barrier", "cuflash/kernels/backward.cuh",
+      [("        __syncthreads();\n        weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dQ",
+        "        weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dQ")],
+      ["tests/simt/test_simt_race.py::test_race_mode_is_silent_on_correct_kernels"],
+      "dQ reads the shared dS tile before every lane of its row group has written it"),
+    m("bwd-query-range-short", "cuflash/kernels/backward.cuh",
+      [("const long long end = min_ll(n, j1 - 1 - offset + left + 1);",
+        "const long long end = min_ll(n, j1 - 1 - offset + left);")], [BWD_SIMT],
+      "the last query that sees a key tile is never swept: dK, dV miss its share"),
+    m("bwd-dbias-unwritten", "cuflash/kernels/backward.cuh",
+      [("if ((flags & kWantDbias) && r < rows && jj < cols)", "if ((flags & kWantDbias) && r < rows && jj < cols - 1)")],
+      [BWD_SIMT], "the last key of each tile gets no bias gradient"),
     # ---- the tensor-core kernel
     m("mma-no-rescale", "cuflash/kernels/forward_mma.cuh",
       [("O_i[mt][et][2 * h] *= alpha;", "")], [MMA], "half of O_i's fragment not rescaled"),

@@ -74,7 +74,8 @@ def test_race_mode_reports_global_memory_races_between_blocks(case, current, pre
         assert f"'block {block} thread (0,0,0) of {case}'" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("case", ["clean_reductions", "clean_blocks", "clean_ptx", "clean_attention"])
+@pytest.mark.parametrize("case", ["clean_reductions", "clean_blocks", "clean_ptx", "clean_attention",
+                                  "clean_backward"])
 def test_race_mode_is_silent_on_correct_kernels(case):
     r = run_child(case)
     assert r.returncode == 0 and f"CLEAN {case}" in r.stdout, r.stdout + r.stderr[-6000:]
