@@ -1,6 +1,6 @@
-"""Compile report: every CUDA-core forward instantiation the heuristic chooses, compiled with NVRTC for each
-architecture (no GPU needed); ptxas's registers, spills and static shared memory beside the model's dynamic
-shared memory.
+"""Compile report: every CUDA-core instantiation the heuristic chooses (the forward's and the backward's two
+kernels), compiled with NVRTC for each architecture (no GPU needed); ptxas's registers, spills and static shared
+memory beside the model's dynamic shared memory.
 
     python -m bench.compile_report [--arch sm_80 ...] [--json out.json]
 """
@@ -23,8 +23,9 @@ HEAD_DIMS = (16, 64, 128, 256, 512)
 
 
 def chosen(arch: str, head_dims=HEAD_DIMS):
-    """{name expression: model shared memory} of what the CUDA-core heuristic picks on arch's device, and what it
-    picks for decoding (one query per head over 32k keys: split keys, partial results in the accumulator type)."""
+    """{name expression: model shared memory} of what the CUDA-core heuristic picks on arch's device: the forward,
+    the forward for decoding (one query per head over 32k keys: split keys, partial results in the accumulator
+    type) and both backward kernels (head dims up to theirs)."""
     device = tiling.DeviceLimits.known(ARCH_DEVICES[arch])
     result = {}
     for dtype in FLOATS:
@@ -37,10 +38,12 @@ def chosen(arch: str, head_dims=HEAD_DIMS):
             decoding = tiling.plan(Shape(dtype, d, d, n=1, m=1 << 15), device)
             if decoding.splits > 1:
                 result[decoding.name] = decoding.shared_mem
+            for backward in tiling.backward_plans(Shape(dtype, d, d), device) or ():
+                result[backward.name] = backward.shared_mem
     return result
 
 
-ENTRY = cudacore.FORWARD.source
+ENTRY = cudacore.BACKWARD_DQ.source  # includes the forward's file: one program holds every CUDA-core kernel
 
 
 def _report(arch, names):

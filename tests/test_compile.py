@@ -1,6 +1,6 @@
-"""NVRTC compile checks without a GPU: the CUDA-core instantiations the heuristic chooses compile for sm_75 ...
-sm_90 with no spills and no static shared memory, and the kernel's shared-memory layout equals the Python model
-(static_asserts the compiler evaluates). Needs CuPy's NVRTC binding and the CUDA fp16 headers."""
+"""NVRTC compile checks without a GPU: the CUDA-core instantiations the heuristic chooses (forward and backward)
+compile for sm_75 ... sm_90 with no spills and no static shared memory, and each kernel's shared-memory layout
+equals the Python model (static_asserts the compiler evaluates). Needs CuPy's NVRTC binding and the CUDA fp16 headers."""
 
 import pytest
 
@@ -35,6 +35,20 @@ def test_shared_memory_layout_equals_the_model():
                 args = f"{ctype}, {config.Br}, {config.Bc}, {cudacore.bucket(d)}, {cudacore.bucket(e)}"
                 expected[args] = tiling.shared_memory_bytes(w, config)
     nvrtc.check_shared_layout(cudacore.FORWARD, expected)
+
+
+def test_backward_shared_memory_layout_equals_the_model():
+    """Both backward kernels' layouts (BackwardShared, keys or queries as the block's own rows)."""
+    for family in (cudacore.BACKWARD_DQ, cudacore.BACKWARD_DKDV):
+        expected = {}
+        for dtype in FLOATS:
+            for d, e in ((1, 1), (59, 3), (64, 64), (111, 256)):
+                for config in (tiling.BlockConfig(64, 64, 8), tiling.BlockConfig(16, 48, 8),
+                               tiling.BlockConfig(32, 16, 2)):
+                    args = ", ".join(map(str, family.template_args(Shape(dtype, d, e), config, False)[:5]))
+                    expected[f"{args}, {'true' if family.kind == 'dkdv' else 'false'}"] = \
+                        family.shared_memory_bytes(Shape(dtype, d, e), config)
+        nvrtc.check_shared_layout(family, expected)
 
 
 def test_chosen_instantiations_compile_without_spills():
