@@ -25,7 +25,7 @@ HEAD_DIMS = (16, 64, 128, 256, 512)
 def chosen(arch: str, head_dims=HEAD_DIMS):
     """{name expression: model shared memory} of what the CUDA-core heuristic picks on arch's device: the forward,
     the forward for decoding (one query per head over 32k keys: split keys, partial results in the accumulator
-    type) and both backward kernels (head dims up to theirs)."""
+    type) and both backward kernels (CUDA-core, head dims up to theirs)."""
     device = tiling.DeviceLimits.known(ARCH_DEVICES[arch])
     result = {}
     for dtype in FLOATS:
@@ -38,8 +38,12 @@ def chosen(arch: str, head_dims=HEAD_DIMS):
             decoding = tiling.plan(Shape(dtype, d, d, n=1, m=1 << 15), device)
             if decoding.splits > 1:
                 result[decoding.name] = decoding.shared_mem
-            for backward in tiling.backward_plans(Shape(dtype, d, d), device) or ():
-                result[backward.name] = backward.shared_mem
+            try:
+                backward = tiling.backward_plans(Shape(dtype, d, d), device, "fma")
+            except ValueError:
+                continue  # past the backward kernels' head dims
+            for plan in backward:
+                result[plan.name] = plan.shared_mem
     return result
 
 

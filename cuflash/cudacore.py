@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import List, Tuple
 
 from .dtypes import acc_dtype_of
-from .family import C_TYPES, LANES_PER_ROW, BlockConfig, Family, Shape
+from .family import BACKWARD_OPERANDS, BACKWARD_SCALARS, C_TYPES, LANES_PER_ROW, BlockConfig, Family, Shape
 
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)  # D and E instantiations; the actual d, e are run-time values
 MAX_BUCKET = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
@@ -132,8 +132,6 @@ FORWARD = Family(
 # BACKWARD_MAX_BUCKET; wider heads take the blocked backward on the array library's matmul (backends/numpy.py).
 
 BACKWARD_MAX_BUCKET = 256
-BACKWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "dout", "lse", "delta", "dq", "dk", "dv", "dbias")
-BACKWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "scale", "left", "right", "flags")
 BACKWARD_CANDIDATES = tuple(BlockConfig(br, bc, w) for br, bc, w in (
     (64, 64, 8), (64, 64, 4), (32, 64, 8), (64, 32, 8), (32, 32, 4), (32, 32, 8), (16, 32, 8), (32, 16, 8),
     (16, 16, 8), (16, 16, 4), (16, 16, 2)))

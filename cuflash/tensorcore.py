@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List
 
-from .family import C_TYPES, BlockConfig, Family, Shape
+from .family import BACKWARD_OPERANDS, BACKWARD_SCALARS, C_TYPES, BlockConfig, Family, Shape
 
 DTYPES = ("float16", "bfloat16")
 MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, cp.async
@@ -69,18 +69,24 @@ def registers_estimate(shape: Shape, config: BlockConfig) -> int:
 # Who may run it, and which configurations
 
 
-def eligibility(shape: Shape, device) -> List[str]:
-    """Why the tensor-core kernel cannot serve this dtype, head dims or device at all (empty: it can)."""
+def dtype_and_device_reasons(shape: Shape, device, kernel: str = "tensor-core kernel") -> List[str]:
+    """Why `kernel` (a tensor-core kernel) cannot serve this dtype or device at all."""
     reasons = []
     dtype = shape.dtype.name
     if dtype not in DTYPES:
-        reasons.append(f"the tensor-core kernel (variant 'mma') runs float16 and bfloat16, not {dtype}; "
+        reasons.append(f"the {kernel} (variant 'mma') runs float16 and bfloat16, not {dtype}; "
                        f"the CUDA-core kernel (variant 'fma') runs {dtype}")
     if tuple(device.compute_capability) < MIN_COMPUTE_CAPABILITY:
         major, minor = device.compute_capability
-        reasons.append(f"the tensor-core kernel needs compute capability 8.0 or newer (mma.sync m16n8k16, "
+        reasons.append(f"the {kernel} needs compute capability 8.0 or newer (mma.sync m16n8k16, "
                        f"ldmatrix, cp.async); {device.name} has {major}.{minor}, where the CUDA-core kernel "
                        f"(variant 'fma') runs")
+    return reasons
+
+
+def eligibility(shape: Shape, device) -> List[str]:
+    """Why the tensor-core kernel cannot serve this dtype, head dims or device at all (empty: it can)."""
+    reasons = dtype_and_device_reasons(shape, device)
     for name, size in (("d", shape.d), ("e", shape.e)):
         if size > MAX_HEAD_DIM:
             reasons.append(f"head dimension {name}={size} is above {MAX_HEAD_DIM}, the largest the tensor-core "
@@ -125,3 +131,96 @@ FORWARD = Family(
     column_width=lambda shape, config: max(1, shape.e), candidates=lambda shape: [CANDIDATES],
     register_target=REGISTER_TARGET, register_limit=REGISTER_LIMIT,
     register_advice="use a smaller Br or Bc, or more warps", stages=STAGES)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backward kernels (kernels/backward_mma.cuh): bwd_mma_dq and bwd_mma_dkdv, the tensor-core twins of
+# cudacore.BACKWARD_*, planned apart. Their gradients stay whole in float fragments, so head dims are at most
+# BACKWARD_MAX_HEAD_DIM (the CUDA-core backward takes larger ones). One load stage (stages=1).
+
+BACKWARD_MAX_HEAD_DIM = 128
+BACKWARD_REGISTER_TARGET = 144
+BACKWARD_REGISTER_LIMIT = 160
+
+
+def _backward_family(kind: str) -> Family:
+    """bwd_mma_dq (kind "dq": the block's own rows are Br queries) or bwd_mma_dkdv (kind "dkdv": Bc keys)."""
+    keys_own = kind == "dkdv"
+    own_name, swept_name = ("Bc", "Br") if keys_own else ("Br", "Bc")
+
+    def own_and_swept(config: BlockConfig):
+        return (config.Bc, config.Br) if keys_own else (config.Br, config.Bc)
+
+    def eligibility(shape: Shape, device) -> List[str]:
+        reasons = dtype_and_device_reasons(shape, device, "tensor-core backward")
+        if max(shape.d, shape.e) > BACKWARD_MAX_HEAD_DIM:
+            reasons.append(f"head dims d={shape.d}, e={shape.e}: the tensor-core backward holds a block's "
+                           f"gradients whole and takes d, e <= {BACKWARD_MAX_HEAD_DIM}; the CUDA-core backward "
+                           f"(variant 'fma') takes larger ones")
+        return reasons
+
+    def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
+        """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk), two float row terms per query, and each warp's
+        scratch: 16 rows of the swept width + 1 floats and 16 x 4 words. Mirrors MmaBackwardShared."""
+        D, E = bucket(shape.d), bucket(shape.e)
+        swept = own_and_swept(config)[1]
+        tiles = sum(_align16(ITEM * rows * (width + ROW_PAD)) for rows in (config.Br, config.Bc) for width in (D, E))
+        scratch = _align16(4 * config.warps * 16 * (swept + 1)) + _align16(4 * config.warps * 16 * 4)
+        return tiles + _align16(4 * 2 * config.Br) + scratch
+
+    def accumulator_words(shape: Shape, config: BlockConfig) -> int:
+        """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients."""
+        own, swept = own_and_swept(config)
+        mt = max(1, own // (ROWS_PER_TILE * config.warps))
+        grads = bucket(shape.d) + (bucket(shape.e) if keys_own else 0)
+        return mt * (swept + grads // 2)
+
+    def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
+        own, swept = own_and_swept(config)
+        reasons = []
+        if config.head_tile is not None:
+            reasons.append(f"head_tile={config.head_tile} is a setting of the CUDA-core forward; the tensor-core "
+                           f"backward takes head dims up to {BACKWARD_MAX_HEAD_DIM} whole")
+        allowed = [ROWS_PER_TILE * t * config.warps for t in TILES_PER_WARP]
+        if own not in allowed:
+            reasons.append(f"{own_name}={own} is not supported by the tensor-core backward's {kind} kernel with "
+                           f"{config.warps} warps: each warp takes 1 or 2 tiles of 16 rows, so {own_name} is "
+                           f"{' or '.join(map(str, allowed))}")
+        if not (swept % 16 == 0 and 16 <= swept <= MAX_BC):
+            reasons.append(f"{swept_name}={swept} is not supported by the tensor-core backward's {kind} kernel: it "
+                           f"must be a multiple of 16 between 16 and {MAX_BC}")
+        return reasons
+
+    def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
+        return [C_TYPES[shape.dtype.name], config.Br, config.Bc, bucket(shape.d), bucket(shape.e), config.warps]
+
+    own_first = ((64, 4), (128, 8), (64, 8), (32, 2), (16, 1))  # (own rows, warps): one m16 tile per warp
+    swept_sizes = (64, 32, 16)
+
+    def candidates(shape: Shape):
+        configs = []
+        for swept in swept_sizes:
+            for own, warps in own_first:
+                br, bc = (swept, own) if keys_own else (own, swept)
+                configs.append(BlockConfig(br, bc, warps, 1, "mma"))
+        return [configs]
+
+    return Family(
+        variant="mma", title=f"tensor-core backward {kind}", template=f"cuflash::bwd_mma_{kind}",
+        source="backward_mma.cuh", shared_struct="MmaBackwardShared", eligibility=eligibility,
+        config_reasons=config_reasons, buckets=lambda shape, config: (bucket(shape.d), bucket(shape.e)),
+        shared_memory_bytes=shared_memory_bytes, accumulator_words=accumulator_words,
+        registers_estimate=lambda shape, config: min(255, (64 + accumulator_words(shape, config) + 7) // 8 * 8),
+        template_args=template_args, column_width=lambda shape, config: max(1, shape.e), candidates=candidates,
+        register_target=BACKWARD_REGISTER_TARGET, register_limit=BACKWARD_REGISTER_LIMIT,
+        register_advice="use a smaller swept tile or more warps", stages=(1,), kind=kind,
+        tiles_along="keys" if keys_own else "queries", operands=BACKWARD_OPERANDS,
+        scalars=BACKWARD_SCALARS)
+
+
+def _align16(nbytes: int) -> int:
+    return (nbytes + 15) // 16 * 16
+
+
+BACKWARD_DQ = _backward_family("dq")
+BACKWARD_DKDV = _backward_family("dkdv")

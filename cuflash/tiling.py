@@ -24,7 +24,8 @@ __all__ = ["BACKWARD_KINDS", "FAMILIES", "FAMILIES_OF", "KNOWN", "BlockConfig", 
 
 FAMILIES = (tensorcore.FORWARD, cudacore.FORWARD)  # preference order: the first whose candidates run is chosen
 # Every kind's families, in preference order. The backward is two kernels, each planned as a kind of its own.
-FAMILIES_OF = {"forward": FAMILIES, "dq": (cudacore.BACKWARD_DQ,), "dkdv": (cudacore.BACKWARD_DKDV,)}
+FAMILIES_OF = {"forward": FAMILIES, "dq": (tensorcore.BACKWARD_DQ, cudacore.BACKWARD_DQ),
+               "dkdv": (tensorcore.BACKWARD_DKDV, cudacore.BACKWARD_DKDV)}
 BACKWARD_KINDS = ("dkdv", "dq")
 DECODE_ROWS = 16  # queries per batch item up to which a few short query tiles and split keys serve (decoding)
 SPLIT_MIN_KEYS = 512  # keys a split sweeps at least: fewer, and merging the splits costs more than it gains
@@ -209,7 +210,7 @@ def backward_plans(shape: Shape, device: DeviceLimits, block=None) -> Optional[T
     """The backward kernels' plans (dK and dV, then dQ), each kind planned by the heuristic (or with `block`
     forced, validated for both); None when block is None and no backward kernel serves the shape here (head dims
     past the kernels', or too little shared memory): the blocked backward serves it."""
-    if block is None and any(family.first_fit(shape, device) is None for kind in BACKWARD_KINDS
-                             for family in FAMILIES_OF[kind]):
+    if block is None and any(all(family.first_fit(shape, device) is None for family in FAMILIES_OF[kind])
+                             for kind in BACKWARD_KINDS):
         return None
     return tuple(plan(shape, device, block, kind) for kind in BACKWARD_KINDS)

@@ -6,6 +6,7 @@ the CPU, and a few instantiations serve most tests (each costs a compile)."""
 
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT e
 
 OPTIONS = ("scale", "causal", "window", "mask", "bias")
 SMALL = BlockConfig(16, 16, 2)  # many tiles on small problems; one instantiation per dtype for d, e <= 16
+SMALL_MMA = BlockConfig.mma(16, 16, 1, stages=1)  # the tensor-core kernels' smallest tiles (float16, bfloat16)
 
 
 def options_of(case):
@@ -50,18 +52,31 @@ def test_matches_reference(case):
     assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
 
 
-@pytest.mark.parametrize("dtype, d, e, options", [
-    (np.float32, 64, 64, {"causal": True}),
-    (np.float16, 128, 40, {"window": (50, 3)}),
+@given(cases(dtypes=(np.float16, ml_dtypes.bfloat16), mixed_dtypes=False, lengths=(1, 5, 33, 70),
+             head_dims=(1, 8, 13, 32), max_batch_dims=1))
+@settings(max_examples=30)
+def test_tensor_core_kernels_match_reference(case):
+    """The same properties on the tensor-core backward (one warp, 16 x 16 tiles: many tiles each way)."""
+    options = options_of(case)
+    dout, grads = backward(case.q, case.k, case.v, block=SMALL_MMA, bias_grad=options.get("bias") is not None,
+                           **options)
+    assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
+
+
+@pytest.mark.parametrize("dtype, d, e, options, block, variant", [
+    (np.float32, 64, 64, {"causal": True}, None, "fma"),
+    (np.float16, 128, 40, {"window": (50, 3)}, None, "mma"),
+    (ml_dtypes.bfloat16, 32, 24, {"causal": True}, BlockConfig.mma(32, 32, 1, stages=1), "mma"),
 ])
-def test_the_planners_configurations(dtype, d, e, options):
-    """The heuristic's tiles (64 x 64 and 64 x 32, 8 warps): several tiles each way, a ragged last one."""
+def test_the_planners_configurations(dtype, d, e, options, block, variant):
+    """The heuristic's tiles (CUDA cores: 8 warps; tensor cores: 4 warps of one m16 tile) and two m16 tiles per
+    warp: several tiles each way, a ragged last one."""
     rng = np.random.default_rng(1)
     q, k, v = randn(rng, (2, 97, d), dtype), randn(rng, (2, 150, d), dtype), randn(rng, (2, 150, e), dtype)
     problem = problem_and_outputs(q, k, v, **options)[0]
-    plans = tiling.backward_plans(problem.shape, simt.DEVICE)
-    assert [p.family.kind for p in plans] == ["dkdv", "dq"] and all(p.config.warps == 8 for p in plans)
-    dout, grads = backward(q, k, v, **options)
+    plans = tiling.backward_plans(problem.shape, simt.DEVICE, block)
+    assert [p.family.kind for p in plans] == ["dkdv", "dq"] and {p.config.variant for p in plans} == {variant}
+    dout, grads = backward(q, k, v, block=block, **options)
     assert_grads_accurate(grads, dout, q, k, v, **options)
 
 
@@ -109,9 +124,12 @@ def test_the_same_bits_in_every_schedule(schedule):
     assert_grads_accurate(first, dout, q, k, v, bias=bias, causal=True)
 
 
-def test_hidden_non_finite_keys_never_leak():
+@pytest.mark.parametrize("dtype, block", [(np.float32, SMALL), (np.float16, SMALL_MMA)])
+def test_hidden_non_finite_keys_never_leak(dtype, block):
+    """Hidden keys and values holding inf and NaN, and a query row that sees nothing holding inf: on tensor
+    cores such tiles take the products on CUDA cores with hidden pairs skipped."""
     rng = np.random.default_rng(5)
-    q, k, v = randn(rng, (20, 8)), randn(rng, (30, 8)), randn(rng, (30, 5))
+    q, k, v = randn(rng, (20, 8), dtype), randn(rng, (30, 8), dtype), randn(rng, (30, 5), dtype)
     mask = np.ones((20, 30), bool)
     mask[:, 7] = False
     bias = np.zeros((20, 30), np.float32)
@@ -119,7 +137,7 @@ def test_hidden_non_finite_keys_never_leak():
     mask[2] = False
     k[7], v[7], k[21], v[21] = np.nan, np.inf, np.inf, np.nan
     q[2] = np.inf  # a query row that sees nothing: its inf reaches no dk
-    dout, (dq, dk, dv) = backward(q, k, v, block=SMALL, mask=mask, bias=bias)
+    dout, (dq, dk, dv) = backward(q, k, v, block=block, mask=mask, bias=bias)
     assert (dk[[7, 21]] == 0).all() and (dv[[7, 21]] == 0).all() and (dq[2] == 0).all()
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
     assert_grads_accurate((dq, dk, dv), dout, q, k, v, mask=mask, bias=bias)
@@ -168,6 +186,9 @@ def test_a_block_that_cannot_run_is_refused_with_reasons():
         cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=BlockConfig(8, 16, 2))
     with pytest.raises(ValueError, match="head_tile=32 is not supported by the backward kernels"):
         cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=BlockConfig(16, 16, 2, head_tile=32))
+    with pytest.raises(ValueError, match="the tensor-core backward .variant 'mma'. runs float16 and bfloat16, not "
+                                         "float32"):
+        cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=SMALL_MMA)
 
 
 @pytest.mark.memcheck

@@ -136,3 +136,63 @@ def test_shared_memory_model_matches_the_kernel(arch):
                         f"{config.warps}, {config.stages}")
                 layouts[args] = tensorcore.shared_memory_bytes(w, config)
     nvrtc.check_shared_layout(tensorcore.FORWARD, layouts, arch)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tensor-core backward (kernels/backward_mma.cuh)
+
+
+def chosen_backward(arch):
+    """(workload, plan) of both backward kernels the planner picks per head dim on the arch's GPU."""
+    device = GPUS[arch]
+    workloads = [Workload(F16, d, d) for d in (32, 64, 96, 128)] + [Workload(BF16, 64, 64), Workload(F16, 128, 40)]
+    return [(w, plan) for w in workloads for plan in tiling.backward_plans(w, device)]
+
+
+@functools.lru_cache(maxsize=None)
+def build_backward(arch):
+    from cuflash import nvrtc
+
+    names = sorted({plan.name for _, plan in chosen_backward(arch)})
+    cubin, log, lowered = nvrtc.compile_program(kernels.source(tensorcore.BACKWARD_DQ.source), names, arch)
+    usage = nvrtc.parse_ptxas(log)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernels.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([cuobjdump(), "-sass", path], capture_output=True, text=True, check=True).stdout
+    functions = split_functions(sass)
+    return {name: (functions[lowered[name]], usage[lowered[name]]) for name in names}
+
+
+@pytest.mark.parametrize("arch", sorted(GPUS))
+def test_backward_sass_uses_tensor_cores_without_local_memory(arch):
+    built = build_backward(arch)
+    rows = []
+    for workload, plan in chosen_backward(arch):
+        sass, usage = built[plan.name]
+        ops = opcodes(sass)
+        assert plan.config.variant == "mma", (workload, plan.config)
+        missing = {"HMMA", "LDSM", "LDGSTS"} - ops
+        assert not missing, f"{plan.name} on {arch} lacks {sorted(missing)}"
+        local = sorted(op for op in ops if op in ("LDL", "STL"))
+        assert not local, f"{plan.name} on {arch} uses local memory ({local})"
+        assert usage.spill_stores == usage.spill_loads == 0 and usage.stack == 0, usage
+        assert plan.shared_mem <= GPUS[arch].smem_per_block
+        rows.append(f"{arch}  {workload}  {plan.name:52} {usage.registers:3} registers  "
+                    f"{plan.shared_mem / 1024:6.1f} KiB shared")
+    print("\n" + "\n".join(rows))
+
+
+def test_backward_shared_memory_model_matches_the_kernel():
+    from cuflash import nvrtc
+
+    for family in (tensorcore.BACKWARD_DQ, tensorcore.BACKWARD_DKDV):
+        layouts = {}
+        for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16)):
+            for d, e in ((32, 32), (64, 59), (128, 100)):
+                for config in family.candidates(Workload(dtype, d, e))[0][:6]:
+                    args = ", ".join(map(str, family.template_args(Workload(dtype, d, e), config, False)))
+                    layouts[f"{args}, {'true' if family.kind == 'dkdv' else 'false'}"] = \
+                        family.shared_memory_bytes(Workload(dtype, d, e), config)
+        nvrtc.check_shared_layout(family, layouts)

@@ -96,17 +96,18 @@ __device__ __forceinline__ void load_row_terms(Acc* shift, Acc* delta_s, const A
 }
 
 // P_ij and dS_ij of one (query, key) pair from its raw score S = q_i . k_j and dP = dO_i . v_j: visibility, scale
-// and bias as the forward's (visible_score), P = exp2(s - lse_i log2 e). P is hidden_p and dS 0 for a hidden pair.
+// and bias as the forward's (visible_score), P = exp2(s - lse_i log2 e). Returns whether the pair is visible;
+// a hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value row never enters them).
 template <typename A>
-__device__ __forceinline__ void score_gradient(A S, A dP, A shift, A delta_i, A scale_log2,
+__device__ __forceinline__ bool score_gradient(A S, A dP, A shift, A delta_i, A scale_log2,
                                                const BlockOperands& ops, const A* bias, const bool* mask,
                                                long long i, long long j, int jj, int cols, long long n,
                                                long long left, long long right, bool partial, A& p, A& ds) {
     bool visible;
     const A s = visible_score(S, scale_log2, ops, bias, mask, i, j, jj, cols, n, left, right, partial, visible);
-    p = exp2_(s - shift);
+    p = visible ? exp2_(s - shift) : A(0);
     ds = visible ? p * (dP - delta_i) : A(0);
-    p = visible ? p : hidden_p<A>();
+    return visible;
 }
 
 // Acc[R][C] += X_rows . Y_cols over `width` columns of two shared tiles: rows ty * R + a of X (pitch LDX),
@@ -227,9 +228,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
             for (int c = 0; c < CPT; ++c) {
                 const int jj = tx + TC * c;
                 Acc p, ds;
-                score_gradient(S[a][c], dP[a][c], s.shift[r], s.delta[r], scale_log2, ops, bias, mask, i, j0 + jj,
-                               jj, cols, n, left, right, partial, p, ds);
-                s.P[r * Smem::LDP + jj] = p;
+                const bool visible = score_gradient(S[a][c], dP[a][c], s.shift[r], s.delta[r], scale_log2, ops,
+                                                    bias, mask, i, j0 + jj, jj, cols, n, left, right, partial, p, ds);
+                s.P[r * Smem::LDP + jj] = visible ? p : hidden_p<Acc>();
                 s.dS[r * Smem::LDP + jj] = ds;
                 if ((flags & kWantDbias) && r < rows && jj < cols)
                     dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
@@ -299,9 +300,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                 const int ii = tx + TC * c;
                 Acc p, ds;
                 // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                score_gradient(S[a][c], dP[a][c], s.shift[ii], s.delta[ii], scale_log2, ops, bias, mask, i0 + ii,
-                               j0 + r, r, keys, i0 + rows, left, right, partial, p, ds);
-                s.P[r * Smem::LDP + ii] = p;
+                const bool visible = score_gradient(S[a][c], dP[a][c], s.shift[ii], s.delta[ii], scale_log2, ops,
+                                                    bias, mask, i0 + ii, j0 + r, r, keys, i0 + rows, left, right,
+                                                    partial, p, ds);
+                s.P[r * Smem::LDP + ii] = visible ? p : hidden_p<Acc>();
                 s.dS[r * Smem::LDP + ii] = ds;
             }
         }

@@ -228,7 +228,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             }
 
         // A hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look for non-finite values.
-        const bool careful = partial && __syncthreads_or(mma::v_tile_nonfinite<T, Bc, E, Threads>(V_j, cols));
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads>(V_j, cols));
         if (!careful) {
             // O_i += P_ij V_j: P in registers becomes the A operand, k16 step by k16 step.
 #pragma unroll

@@ -116,13 +116,14 @@ __device__ __forceinline__ float quad_sum(float x) {
 // ---------------------------------------------------------------------------------------------------------------
 // The rare path: hidden keys whose value rows hold inf or NaN.
 
-// Whether the first `cols` rows of a V tile hold an inf or NaN (rows past cols and columns past e are zeros).
-template <typename T, int Bc, int E, int Threads>
-__device__ __forceinline__ bool v_tile_nonfinite(const T* V_j, int cols) {
-    constexpr int LD = Padded<E>::ld, ChunksPerRow = E / kChunk;
+// Whether the first `rows` rows of a padded tile (V_j in the forward) hold an inf or NaN (rows past `rows` and
+// columns past the operand's width are zeros).
+template <typename T, int Cols, int Threads>
+__device__ __forceinline__ bool tile_nonfinite(const T* tile, int rows) {
+    constexpr int LD = Padded<Cols>::ld, ChunksPerRow = Cols / kChunk;
     bool found = false;
-    for (int idx = threadIdx.x; idx < cols * ChunksPerRow; idx += Threads) {
-        const Chunk16 c = *reinterpret_cast<const Chunk16*>(V_j + (idx / ChunksPerRow) * LD + (idx % ChunksPerRow) * kChunk);
+    for (int idx = threadIdx.x; idx < rows * ChunksPerRow; idx += Threads) {
+        const Chunk16 c = *reinterpret_cast<const Chunk16*>(tile + (idx / ChunksPerRow) * LD + (idx % ChunksPerRow) * kChunk);
 #pragma unroll
         for (int w = 0; w < 4; ++w) found = found || any_nonfinite2(c.word[w], T{});
     }
@@ -161,6 +162,48 @@ __device__ __forceinline__ void pv_by_selection(float (&O_i)[MT][E / 8][4], cons
             }
         }
         __syncwarp();  // the next m16 tile reuses P_w
+    }
+}
+
+// out += W Y on CUDA cores with hidden pairs skipped by selection, for one warp's m16 tiles (the backward's rare
+// path: dQ += dS K_j, dK += dS^T Q_i, dV += P^T dO_i where a row of Y that some pair hides holds inf or NaN).
+// W's fragments (K columns, float) and each lane's hidden bits (bit 2 nt + x of its element [nt][2 h + x]) go
+// through the warp's scratch: W_w holds 16 rows of K + 1 floats, H_w 16 rows of 4 words (one per quad lane).
+// Y: K rows of N (padded) in shared memory, `count` of them valid.
+template <typename T, int K, int N, int MT>
+__device__ __forceinline__ void acc_by_selection(float (&out)[MT][N / 8][4], const float (&W)[MT][K / 8][4],
+                                                 const unsigned (&hidden)[MT][2], float* W_w, unsigned* H_w,
+                                                 const T* Y, int count, int lane) {
+    static_assert(K <= 128, "hidden bits of a row fit one word per quad lane");
+    constexpr int LDW = K + 1, LDY = Padded<N>::ld;
+    const int quad_row = lane / 4, quad_col = lane % 4;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            H_w[(quad_row + 8 * h) * 4 + quad_col] = hidden[mt][h];
+#pragma unroll
+            for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+                for (int x = 0; x < 2; ++x)
+                    W_w[(quad_row + 8 * h) * LDW + 8 * nt + 2 * quad_col + x] = W[mt][nt][2 * h + x];
+        }
+        __syncwarp();
+        for (int j = 0; j < count; ++j) {
+            const int owner = (j % 8) / 2, bit = 2 * (j / 8) + j % 2;  // the quad lane that computed column j
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = quad_row + 8 * h;
+                if (H_w[row * 4 + owner] >> bit & 1u) continue;
+                const float w = W_w[row * LDW + j];
+#pragma unroll
+                for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x)
+                        out[mt][nt][2 * h + x] += w * to_acc(Y[j * LDY + 8 * nt + 2 * quad_col + x]);
+            }
+        }
+        __syncwarp();  // the next m16 tile reuses the scratch
     }
 }
 

@@ -2,6 +2,7 @@
 test_simt_race.py as a child process: a race report ends it with exit status 66 and the report on stderr.
 Usage: python race_child.py CASE  (CASE: a name in CASES; the clean ones print "CLEAN <case>")."""
 
+import os
 import sys
 
 import numpy as np
@@ -123,22 +124,22 @@ def case_clean_attention():
 
 
 def case_clean_backward():
-    """Both backward kernels (each block the only writer of its gradients, across blocks too) on a ragged causal
-    problem with a bias and its gradient, in two schedules."""
+    """The backward kernels, CUDA-core and tensor-core (each block the only writer of its gradients, across
+    blocks too), on a ragged causal problem with a bias and its gradient, in two schedules."""
     import cuflash
     from cuflash import BlockConfig
     from reference import assert_grads_accurate
     rng = np.random.default_rng(1)
-    q, k, v = (rng.standard_normal((2, n, 24)).astype(np.float32) for n in (37, 50, 50))
-    bias = rng.standard_normal((37, 50)).astype(np.float32)
-    out, lse = cuflash.attention(q, k, v, bias=bias, causal=True, return_lse=True)
-    dout = rng.standard_normal(out.shape).astype(np.float32)
-    for seed in ("forward", "reverse"):
-        import os
-        os.environ["CUFLASH_SIMT_SEED"] = seed
-        grads = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias, causal=True, bias_grad=True,
-                                           backend="simt", block=BlockConfig(16, 16, 2))
-        assert_grads_accurate(grads, dout, q, k, v, bias=bias, causal=True)
+    for dtype, block in ((np.float32, BlockConfig(16, 16, 2)), (np.float16, BlockConfig.mma(32, 32, 2, stages=1))):
+        q, k, v = (rng.standard_normal((2, n, 24)).astype(dtype) for n in (37, 50, 50))
+        bias = rng.standard_normal((37, 50)).astype(np.float32)
+        out, lse = cuflash.attention(q, k, v, bias=bias, causal=True, return_lse=True)
+        dout = rng.standard_normal(out.shape).astype(dtype)
+        for seed in ("forward", "reverse"):
+            os.environ["CUFLASH_SIMT_SEED"] = seed
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias, causal=True, bias_grad=True,
+                                               backend="simt", block=block)
+            assert_grads_accurate(grads, dout, q, k, v, bias=bias, causal=True)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

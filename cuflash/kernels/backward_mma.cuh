@@ -1,0 +1,321 @@
+// The backward pass on tensor cores for __half and __nv_bfloat16 on sm_80 and newer: backward.cuh's two kernels
+// (the same arguments, the same split of the work, no atomics) with their tile products on mma.m16n8k16.
+//
+//   bwd_mma_dkdv: one block per Bc keys; its warps split the keys, MT m16 tiles each. Per query tile:
+//                 S^T = K_j Q_i^T and dP^T = V_j dO_i^T (K_j, V_j as A fragments; Q_i, dO_i as the column-major B
+//                 operand), P^T and dS^T elementwise on the accumulator fragments, then dV_j += P^T dO_i and
+//                 dK_j += dS^T Q_i with P^T, dS^T rounded to T in registers as the A operand (FlashAttention-2's
+//                 register reuse) and dO_i, Q_i through ldmatrix.trans.
+//   bwd_mma_dq:   one block per Br queries; its warps split the queries. Per key tile: S = Q_i K_j^T,
+//                 dP = dO_i V_j^T, P and dS elementwise (dbias written when asked), dQ_i += dS K_j.
+//
+// Gradients accumulate in float fragments and go to the float gradient arrays straight from them. Loads are
+// cp.async (element loads for strided views), one stage: overlapping loads with products is the hot-loop work of
+// a later step. A hidden pair's P and dS are 0 by selection; a 0 times an inf or NaN in a row some pair hides
+// (a key of K_j; a query row of Q_i or dO_i) would still be NaN on tensor cores, so tiles that hide pairs look
+// for non-finite values first and, only then, take the product on CUDA cores with hidden pairs skipped
+// (mma::acc_by_selection).
+//
+// Template: T element type; Br queries and Bc keys per tile (the block's own axis is 16 x MT x Warps); D, E
+// head-dim buckets (multiples of 32 up to 128; run-time d, e, tails zero-filled); Warps per block.
+#pragma once
+
+#include "backward.cuh"
+#include "mma_tile.cuh"
+
+namespace cuflash {
+
+// Shared memory of one block (cuflash/tensorcore.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
+// query tile's lse shift and D_i, and each warp's scratch for the rare CUDA-core product (16 rows of the swept
+// tile's width + 1 floats, and 16 x 4 words of hidden bits). KeysOwn: bwd_mma_dkdv's layout.
+template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn>
+struct MmaBackwardShared {
+    static constexpr int LDD = mma::Padded<D>::ld, LDE = mma::Padded<E>::ld;
+    static constexpr int Swept = KeysOwn ? Br : Bc, LDW = Swept + 1;
+    static constexpr size_t q_offset = 0;
+    static constexpr size_t do_offset = q_offset + align16(sizeof(T) * Br * LDD);
+    static constexpr size_t k_offset = do_offset + align16(sizeof(T) * Br * LDE);
+    static constexpr size_t v_offset = k_offset + align16(sizeof(T) * Bc * LDD);
+    static constexpr size_t rows_offset = v_offset + align16(sizeof(T) * Bc * LDE);
+    static constexpr size_t w_offset = rows_offset + align16(sizeof(float) * 2 * Br);
+    static constexpr size_t h_offset = w_offset + align16(sizeof(float) * Warps * 16 * LDW);
+    static constexpr size_t bytes = h_offset + align16(sizeof(unsigned) * Warps * 16 * 4);
+};
+
+namespace mma {
+
+// C[MT][N / 8] = A B^T over K columns: A's rows row0 + 16 mt (tile A, padded K wide), B's rows the n8 columns
+// (tile B, padded K wide), both through ldmatrix.
+template <typename T, int MT, int N, int K>
+__device__ __forceinline__ void product_nk(float (&C)[MT][N / 8][4], const T* A, const T* B, int row0, int lane) {
+    constexpr int LD = Padded<K>::ld;
+    const T tag{};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+            for (int x = 0; x < 4; ++x) C[mt][nt][x] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_a<LD>(a[mt], A, row0 + 16 * mt, 16 * kk, lane);
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            unsigned b[4];
+            load_b_nk<LD>(b, B, 16 * np, 16 * kk, lane);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(C[mt][2 * np], a[mt], b0, tag);
+                mma16816(C[mt][2 * np + 1], a[mt], b1, tag);
+            }
+        }
+    }
+}
+
+// C[MT][N / 8] += W Y over K: W's accumulator fragments (K columns) rounded to T as A operands, Y (K rows of N,
+// padded) through ldmatrix.trans.
+template <typename T, int MT, int K, int N>
+__device__ __forceinline__ void product_kn(float (&C)[MT][N / 8][4], const float (&W)[MT][K / 8][4], const T* Y,
+                                           int lane) {
+    constexpr int LD = Padded<N>::ld;
+    const T tag{};
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = pack2(W[mt][2 * kk][0], W[mt][2 * kk][1], tag);
+            a[mt][1] = pack2(W[mt][2 * kk][2], W[mt][2 * kk][3], tag);
+            a[mt][2] = pack2(W[mt][2 * kk + 1][0], W[mt][2 * kk + 1][1], tag);
+            a[mt][3] = pack2(W[mt][2 * kk + 1][2], W[mt][2 * kk + 1][3], tag);
+        }
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            unsigned b[4];
+            load_b_kn<LD>(b, Y, 16 * kk, 16 * np, lane);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816(C[mt][2 * np], a[mt], b0, tag);
+                mma16816(C[mt][2 * np + 1], a[mt], b1, tag);
+            }
+        }
+    }
+}
+
+// rows x width of scale * C (a warp's fragments; rows row0 + 16 mt + quad_row + 8 h) to float dst.
+template <int MT, int N>
+__device__ __forceinline__ void store_fragments(float* dst, const float (&C)[MT][N / 8][4], float scale,
+                                                long long row_stride, long long col_stride, int row0, int rows,
+                                                long long width, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + 16 * mt + lane / 4 + 8 * h;
+            if (r >= rows) continue;
+#pragma unroll
+            for (int nt = 0; nt < N / 8; ++nt)
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+                    const int col = 8 * nt + 2 * (lane % 4) + x;
+                    if (col < width) dst[r * row_stride + col * col_stride] = scale * C[mt][nt][2 * h + x];
+                }
+        }
+}
+
+template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]) {
+#pragma unroll
+    for (int a = 0; a < R; ++a)
+#pragma unroll
+        for (int c = 0; c < C; ++c)
+#pragma unroll
+            for (int y = 0; y < 4; ++y) x[a][c][y] = 0.0f;
+}
+
+}  // namespace mma
+
+template <typename T, int Br, int Bc, int D, int E, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_PARAMS) {
+    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, true>;
+    constexpr int Threads = Warps * 32, MT = Bc / (16 * Warps), NT = Br / 8, DT = D / 8, ET = E / 8;
+    static_assert(MT >= 1 && Bc == 16 * MT * Warps, "Bc must be 16 x Warps x (m16 tiles per warp)");
+    static_assert(Br % 16 == 0 && Br <= 128, "Br must be a multiple of 16 up to 128");
+    static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
+    T* dO_s = reinterpret_cast<T*>(smem + Smem::do_offset);
+    T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
+    T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
+    float* shift = reinterpret_cast<float*>(smem + Smem::rows_offset);
+    float* delta_s = shift + Br;
+
+    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
+    const long long b = batch_item();
+    if (b >= g.batch_count) return;
+    const long long j0 = blockIdx.x * (long long)Bc, offset = m - n;
+    const int keys = (int)min_ll(Bc, m - j0);
+    const KeyRange queries = query_range(j0, j0 + keys, n, offset, left, right);
+    BlockOperands ops{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK], g.op[kV],
+                      g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset, (flags & kHasMask) != 0,
+                      (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
+    const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
+    const int warp_row = warp * 16 * MT;  // this warp's first key row within the tile
+    float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
+    unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
+
+    mma::load_tile_async<T, Bc, D, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
+                                            (int)d, flags & kVectorK);
+    mma::load_tile_async<T, Bc, E, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
+                                            (int)e, flags & kVectorV);
+    ptx::cp_async_commit();
+
+    float dK[MT][DT][4], dV[MT][ET][4];
+    mma::zero(dK);
+    mma::zero(dV);
+    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br) {
+        const int rows = (int)min_ll(Br, queries.end - i0);
+        ops.i0 = i0;
+        ops.rows = rows;
+        __syncthreads();  // every warp is done with the previous tile's Q_i, dO_i and row terms
+        mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
+                                                rows, (int)d, flags & kVectorQ);
+        mma::load_tile_async<T, Br, E, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
+                                                rows, (int)e, flags & kVectorDout);
+        ptx::cp_async_commit();
+        load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
+        ptx::cp_async_wait<0>();
+        __syncthreads();
+
+        float P[MT][NT][4], dS[MT][NT][4];  // transposed: keys by row, queries by column; S and dP at first
+        mma::product_nk<T, MT, Br, D>(P, K_s, Q_s, warp_row, lane);
+        mma::product_nk<T, MT, Br, E>(dS, V_s, dO_s, warp_row, lane);
+        const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
+        unsigned hidden[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                hidden[mt][h] = 0;
+                const int r = warp_row + 16 * mt + quad_row + 8 * h;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int ii = 8 * nt + 2 * quad_col + x;
+                        float& p = P[mt][nt][2 * h + x];
+                        float& ds = dS[mt][nt][2 * h + x];
+                        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
+                        if (!score_gradient(p, ds, shift[ii], delta_s[ii], scale_log2, ops, bias, mask, i0 + ii,
+                                            j0 + r, r, keys, i0 + rows, left, right, partial, p, ds))
+                            hidden[mt][h] |= 1u << (2 * nt + x);
+                    }
+            }
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(Q_s, rows) ||
+                                                         mma::tile_nonfinite<T, E, Threads>(dO_s, rows));
+        if (!careful) {
+            mma::product_kn<T, MT, Br, E>(dV, P, dO_s, lane);
+            mma::product_kn<T, MT, Br, D>(dK, dS, Q_s, lane);
+        } else {
+            mma::acc_by_selection<T, Br, E, MT>(dV, P, hidden, W_w, H_w, dO_s, rows, lane);
+            mma::acc_by_selection<T, Br, D, MT>(dK, dS, hidden, W_w, H_w, Q_s, rows, lane);
+        }
+    }
+    ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
+    mma::store_fragments<MT, D>(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, warp_row, keys,
+                                d, lane);
+    mma::store_fragments<MT, E>(dv + ops.base.of[kDv] + j0 * gdv.row, dV, 1.0f, gdv.row, gdv.col, warp_row, keys,
+                                e, lane);
+}
+
+template <typename T, int Br, int Bc, int D, int E, int Warps>
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PARAMS) {
+    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false>;
+    constexpr int Threads = Warps * 32, MT = Br / (16 * Warps), NT = Bc / 8, DT = D / 8;
+    static_assert(MT >= 1 && Br == 16 * MT * Warps, "Br must be 16 x Warps x (m16 tiles per warp)");
+    static_assert(Bc % 16 == 0 && Bc <= 128, "Bc must be a multiple of 16 up to 128");
+    static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
+    T* dO_s = reinterpret_cast<T*>(smem + Smem::do_offset);
+    T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
+    T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
+    float* shift = reinterpret_cast<float*>(smem + Smem::rows_offset);
+    float* delta_s = shift + Br;
+
+    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
+    const long long b = batch_item();
+    if (b >= g.batch_count) return;
+    const BlockOperands ops = block_operands<Br, false>(g, b, n, m, left, right, flags);
+    const long long i0 = ops.i0;
+    const int rows = ops.rows;
+    const OperandStrides &gdo = g.op[kDout], &gdq = g.op[kDq], &gdb = g.op[kDbias];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
+    const int warp_row = warp * 16 * MT;  // this warp's first query row within the tile
+    float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
+    unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
+
+    mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
+                                            (int)d, flags & kVectorQ);
+    mma::load_tile_async<T, Br, E, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col, rows,
+                                            (int)e, flags & kVectorDout);
+    ptx::cp_async_commit();
+    load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
+
+    float dQ[MT][DT][4];
+    mma::zero(dQ);
+    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc) {
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        __syncthreads();  // every warp is done with the previous tile's K_j and V_j
+        mma::load_tile_async<T, Bc, D, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
+                                                cols, (int)d, flags & kVectorK);
+        mma::load_tile_async<T, Bc, E, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
+                                                cols, (int)e, flags & kVectorV);
+        ptx::cp_async_commit();
+        ptx::cp_async_wait<0>();
+        __syncthreads();
+
+        float P[MT][NT][4], dS[MT][NT][4];  // S and dP at first
+        mma::product_nk<T, MT, Bc, D>(P, Q_s, K_s, warp_row, lane);
+        mma::product_nk<T, MT, Bc, E>(dS, dO_s, V_s, warp_row, lane);
+        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
+        unsigned hidden[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                hidden[mt][h] = 0;
+                const int r = warp_row + 16 * mt + quad_row + 8 * h;
+                const long long i = i0 + r;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int jj = 8 * nt + 2 * quad_col + x;
+                        float& p = P[mt][nt][2 * h + x];
+                        float& ds = dS[mt][nt][2 * h + x];
+                        if (!score_gradient(p, ds, shift[r], delta_s[r], scale_log2, ops, bias, mask, i, j0 + jj, jj,
+                                            cols, n, left, right, partial, p, ds))
+                            hidden[mt][h] |= 1u << (2 * nt + x);
+                        if ((flags & kWantDbias) && r < rows && jj < cols)
+                            dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
+                    }
+            }
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(K_s, cols));
+        if (!careful)
+            mma::product_kn<T, MT, Bc, D>(dQ, dS, K_s, lane);
+        else
+            mma::acc_by_selection<T, Bc, D, MT>(dQ, dS, hidden, W_w, H_w, K_s, cols, lane);
+    }
+    ptx::cp_async_wait<0>();  // no key is visible: Q_i and dO_i were never waited for
+    mma::store_fragments<MT, D>(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, warp_row, rows,
+                                d, lane);
+}
+
+}  // namespace cuflash
