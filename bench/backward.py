@@ -1,14 +1,19 @@
-"""The backward pass on the CPU, side by side in one run: cuflash.attention_backward (the numpy backend) beside
+"""The backward pass, side by side in one run. On the CPU: cuflash.attention_backward (the numpy backend) beside
 naive NumPy backward (scores and probabilities materialized) and PyTorch's CPU scaled_dot_product_attention
-backward, on the same inputs.
+backward, on the same inputs. On a machine with a CUDA GPU (--gpu): cuflash's backward kernels on CuPy arrays,
+backward alone and forward + backward, beside torch SDPA's flash and memory-efficient backends.
 
     python -m bench.backward --out DIR           # n = m from 512 to 4096, d = 64, float32, causal and not
     python -m bench.backward --tiny --out DIR    # seconds: the CI smoke run
+    python -m bench.backward --gpu --out DIR     # float16 and bfloat16, d = 64 and 128, n = m 1024 to 8192
 
 Each time is the median of perf_counter timings after a warm-up call, of the backward alone (the forward's out
 and lse, or torch's autograd graph, made once beforehand). Rates count the backward's five matmuls (2.5 times
 the forward's FLOPs, causal pairs exactly); each peer is also given as a speed ratio to cuflash. Peak memory is
 tracemalloc's (NumPy's allocations; torch's are not seen). dq of head 0 is compared with float64.
+On the GPU each time is the median of CUDA event timings (on the null stream, which torch's default stream
+joins) after two warm-up calls, and rates are TFLOP/s (forward + backward counts 3.5 times the forward's FLOPs);
+each row is also a speed ratio to torch's flash backend at the same point.
 Output: results.json and results.md in --out.
 """
 
@@ -162,6 +167,117 @@ def markdown(records: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# On a GPU
+
+GPU_DTYPES = ("float16", "bfloat16")
+GPU_PEERS = ("cuflash", "torch-flash", "torch-efficient")
+
+
+def gpu_points(tiny: bool) -> List[Point]:
+    lengths = (1024,) if tiny else (1024, 4096, 8192)
+    return [Point(16, n, d, causal) for d in (64, 128) for n in lengths for causal in (False, True)]
+
+
+def gpu_calls(peer: str, q, k, v, dout, causal):
+    """(backward alone, forward + backward) on device arrays of q's dtype."""
+    if peer == "cuflash":
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+
+        def both():
+            o, l = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            return cuflash.attention_backward(dout, q, k, v, o, l, causal=causal)
+        return (lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)), both
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-efficient": SDPBackend.EFFICIENT_ATTENTION}[peer]
+    tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_() for x in (q, k, v))
+    tdout = torch.from_dlpack(dout)
+
+    def forward():
+        with sdpa_kernel(backend):  # n == m: torch's top-left causal is cuflash's bottom-right
+            return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    out = forward()
+    return (lambda: torch.autograd.grad(out, (tq, tk, tv), tdout, retain_graph=True),
+            lambda: torch.autograd.grad(forward(), (tq, tk, tv), tdout))
+
+
+def gpu_median_seconds(call: Callable, repeats: int) -> List[float]:
+    import cupy
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        call()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return times
+
+
+def gpu_measure(point: Point, dtype: str, peers: List[str], repeats: int, seed: int = 0) -> List[dict]:
+    import cupy
+    rng = cupy.random.RandomState(seed)
+    q, k, v, dout = (rng.standard_normal((1, point.heads, point.n, point.d), dtype=np.float32).astype(dtype)
+                     for _ in range(4))
+    forward_flops = cost.flops(point.heads, point.n, point.n, point.d, causal=point.causal)
+    records = []
+    for name in peers:
+        record = {"name": name, "dtype": dtype, **asdict(point)}
+        try:
+            calls = gpu_calls(name, q, k, v, dout, point.causal)
+        except Exception as exc:  # torch missing, or the backend refuses this point
+            records.append({**record, "status": "skipped", "reason": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        for what, call, factor in (("backward", calls[0], BACKWARD_FLOP_FACTOR),
+                                   ("forward+backward", calls[1], BACKWARD_FLOP_FACTOR + 1)):
+            times = gpu_median_seconds(call, repeats)
+            median = float(np.median(times))
+            records.append({**record, "what": what, "status": "ok", "time_ms": median * 1e3,
+                            "times_ms": [t * 1e3 for t in times], "tflops": factor * forward_flops / median / 1e12})
+    for r in records:
+        base = next((x["time_ms"] for x in records if x["name"] == "torch-flash" and x["status"] == "ok"
+                     and x["what"] == r.get("what")), None)
+        if r["status"] == "ok" and base:
+            r["speed_vs_torch_flash"] = base / r["time_ms"]  # > 1: faster than torch's flash backend
+    return records
+
+
+def gpu_markdown(records: List[dict]) -> str:
+    lines = ["| dtype | heads | n = m | d | causal | peer | what | ms | TFLOP/s | speed vs torch flash |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        head = f"| {r['dtype']} | {r['heads']} | {r['n']} | {r['d']} | {r['causal']} | {r['name']} |"
+        if r["status"] != "ok":
+            lines.append(f"{head} skipped: {r['reason']} | | | |")
+            continue
+        ratio = r.get("speed_vs_torch_flash")
+        lines.append(f"{head} {r['what']} | {r['time_ms']:.3f} | {r['tflops']:.1f} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    return "\n".join(lines) + "\n"
+
+
+def gpu_main(args) -> int:
+    records: List[dict] = []
+    for point in gpu_points(args.tiny):
+        for dtype in GPU_DTYPES:
+            records += gpu_measure(point, dtype, list(GPU_PEERS), args.repeats)
+            print(gpu_markdown(records).splitlines()[-1], flush=True)
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    report = {"schema": SCHEMA, "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+              "records": records}
+    text = gpu_markdown(records)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(report, indent=1))
+        (args.out / "results.md").write_text(f"# Backward on {report['gpu']}\n\n" + text)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.backward", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="folder for results.json and results.md")
@@ -169,7 +285,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--budget", type=float, default=20.0, help="seconds one peer may spend on one point")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated, of: {', '.join(PEERS)}")
+    parser.add_argument("--gpu", action="store_true", help="CuPy arrays on the current CUDA device, beside torch")
     args = parser.parse_args(argv)
+    if args.gpu:
+        return gpu_main(args)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:

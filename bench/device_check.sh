@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The one script to run on a machine with a CUDA GPU: the environment, the GPU tests, the PTX hardware check,
-# the demo, a short benchmark sweep and ncu's DRAM bytes beside the model. Each step has a time limit and the
-# whole stays under 8 minutes; a failing step does not stop the others.
+# the demo, a short benchmark sweep, the backward beside torch's and ncu's DRAM bytes beside the model. Each step
+# has a time limit and the whole stays under 8 minutes; a failing step does not stop the others.
 #
 #   bench/device_check.sh [DIR]             # everything into DIR (default bench/results/<date>)
 #   bench/device_check.sh --dry-run [DIR]   # print the steps and their limits, run nothing
 #
 # DIR/summary.md lists each step's exit code, seconds and log (124: it ran out of time). The script installs
 # nothing and needs no network: cuflash runs from this checkout through PYTHONPATH. PYTHON picks the
-# interpreter (default python3); DEVICE_CHECK_BUDGET_S the total seconds (default 450). Without a GPU it
+# interpreter (default python3); DEVICE_CHECK_BUDGET_S the total seconds (default 475). Without a GPU it
 # stops with exit code 2, unless DEVICE_CHECK_ANYWAY=1 (to try this script itself on a CPU).
 set -u
 
@@ -23,7 +23,7 @@ esac
 DIR=${1:-$REPO/bench/results/$(date +%Y-%m-%d)}
 case $DIR in /*) ;; *) DIR=$ORIG/$DIR ;; esac
 PY=${PYTHON:-python3}
-BUDGET=${DEVICE_CHECK_BUDGET_S:-450}
+BUDGET=${DEVICE_CHECK_BUDGET_S:-475}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 HARDWARE_TEST=tests/simt/test_hardware.py
 
@@ -116,8 +116,9 @@ steps() {
         record tests-ptx - 0 "skipped: $HARDWARE_TEST does not exist yet"
     fi
     step demo 30 "$PY" -m cuflash
-    step sweep 140 "$PY" -m bench.attention --preset short --time-limit 100 --out "$DIR/sweep"
-    step ncu 90 "$PY" -m bench.attention --ncu --ncu-timeout 40 --out "$DIR/ncu"
+    step sweep 120 "$PY" -m bench.attention --preset short --time-limit 85 --out "$DIR/sweep"
+    step backward 60 "$PY" -m bench.backward --gpu --repeats 5 --out "$DIR/backward"
+    step ncu 80 "$PY" -m bench.attention --ncu --ncu-timeout 35 --out "$DIR/ncu"
 }
 
 if [ "$DRY" = 1 ]; then

@@ -1,5 +1,5 @@
-"""The forward kernel on a CUDA device (backend="cupy"): the simt properties on CuPy arrays, and one problem
-whose operands pass 2**31 elements. Skipped only when CuPy or a CUDA device is missing."""
+"""The kernels on a CUDA device (backend="cupy"): the simt properties on CuPy arrays, the backward's too, and one
+problem whose operands pass 2**31 elements. Skipped only when CuPy or a CUDA device is missing."""
 
 import numpy as np
 import pytest
@@ -112,8 +112,8 @@ def _row(qi, k, v, lo, hi):
 @given(cases(dtypes=DTYPES, lengths=(1, 7, 64, 130), head_dims=(1, 16, 64), max_batch_dims=1))
 @settings(max_examples=40)
 def test_backward_on_cupy_arrays(case):
-    """The backward on CuPy arrays (the blocked path on CuPy's matmul): the gradients meet the rule, and two runs
-    give the same bits."""
+    """The backward kernels on CuPy arrays (tensor cores for float16 and bfloat16, CUDA cores otherwise): the
+    gradients meet the rule, and two runs give the same bits."""
     import cupy
     from reference import assert_grads_accurate
     options = {key: case.options[key] for key in ("scale", "causal", "window", "mask", "bias") if key in case.options}

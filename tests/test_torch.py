@@ -181,3 +181,20 @@ def test_a_bert_encoder_with_a_padding_mask(calls):
     states = [model(input_ids=ids, attention_mask=attention_mask).last_hidden_state[keep] for model in (ours, reference)]
     assert len(calls) == 2
     torch.testing.assert_close(states[0], states[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device (a CPU build, or none)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cuda_tensors_train_on_the_kernels(dtype):
+    """CUDA tensors: forward and backward on the cupy backend's kernels, on torch's stream, results on the GPU;
+    grouped-query heads by broadcasting get their group's gradient sum."""
+    cpu = tensors([(2, 4, 70, 64), (2, 1, 90, 64), (2, 1, 90, 64)], dtype)
+    q, k, v = (x.detach().cuda().requires_grad_() for x in cpu)
+    out = ct.attention(q, k, v, causal=True)
+    assert out.device == q.device and out.dtype == dtype
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert all(x.grad.device == q.device and x.grad.shape == x.shape for x in (q, k, v))
+    grads = [as_numpy(x.grad.cpu()) for x in (q, k, v)]
+    assert_grads_accurate(grads, as_numpy(dout.cpu()), *(as_numpy(x) for x in cpu), causal=True)
