@@ -64,7 +64,7 @@ def _report(arch, names):
 
 
 def report(archs=tuple(ARCH_DEVICES), head_dims=HEAD_DIMS, workers=2):
-    """[(arch, name, registers, spill stores, spill loads, static smem, model dynamic smem)]."""
+    """[(arch, name, registers, spill stores, spill loads, stack frame, static smem, model dynamic smem)]."""
     plans = {arch: chosen(arch, head_dims) for arch in archs}
     with ProcessPoolExecutor(max_workers=workers) as pool:
         usages = dict(zip(archs, pool.map(_report, archs, [list(plans[a]) for a in archs])))
@@ -72,7 +72,8 @@ def report(archs=tuple(ARCH_DEVICES), head_dims=HEAD_DIMS, workers=2):
     for arch in archs:
         for name, smem in plans[arch].items():
             u = usages[arch][name]
-            rows.append((arch, name, u["registers"], u["spill_stores"], u["spill_loads"], u["static_smem"], smem))
+            rows.append((arch, name, u["registers"], u["spill_stores"], u["spill_loads"], u["stack"],
+                         u["static_smem"], smem))
     return rows
 
 
@@ -82,9 +83,10 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = report(tuple(args.arch or ARCH_DEVICES))
-    print(f"{'arch':6} {'instantiation':48} {'regs':>4} {'spill st/ld':>11} {'static':>6} {'dynamic smem':>12}")
-    for arch, name, regs, st, ld, static, smem in rows:
-        print(f"{arch:6} {name:48} {regs:4d} {f'{st}/{ld}':>11} {static:6d} {smem:12d}")
+    print(f"{'arch':6} {'instantiation':48} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'static':>6} "
+          f"{'dynamic smem':>12}")
+    for arch, name, regs, st, ld, stack, static, smem in rows:
+        print(f"{arch:6} {name:48} {regs:4d} {f'{st}/{ld}':>11} {stack:5d} {static:6d} {smem:12d}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

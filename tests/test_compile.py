@@ -56,7 +56,9 @@ def test_chosen_instantiations_compile_without_spills():
 
     rows = compile_report.report(head_dims=(64, 256))
     assert {row[0] for row in rows} == {"sm_75", "sm_80", "sm_86", "sm_89", "sm_90"}
-    for arch, name, regs, spill_stores, spill_loads, static_smem, smem in rows:
+    assert any("bwd_dq" in row[1] for row in rows) and any("bwd_dkdv" in row[1] for row in rows)
+    for arch, name, regs, spill_stores, spill_loads, stack, static_smem, smem in rows:
         assert (spill_stores, spill_loads) == (0, 0), f"{name} spills on {arch}"
+        assert stack == 0, f"{name} on {arch} has a {stack}-byte stack frame: local memory"
         assert static_smem == 0, f"{name} on {arch}: all shared memory is dynamic (the model's {smem} bytes)"
         assert regs <= 255

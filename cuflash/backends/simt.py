@@ -37,18 +37,35 @@ def run_backward(problem, dout, out, lse, grads, block=None):
         from . import numpy as blocked
         blocked.run_backward(problem, dout, out, lse, grads)
         return
+    compile_together(plans)
     launch.run_backward(problem, plans, dout, out, lse, grads, get_kernel)
 
 
+def mode() -> str:
+    return os.environ.get("CUFLASH_SIMT_MODE") or "fast"
+
+
 def get_kernel(plan: tiling.Plan):
+    function = _functions.get((plan.name, mode()))
+    if function is None:
+        compile_together([plan])
+        function = _functions[(plan.name, mode())]
+    return function
+
+
+def compile_together(plans) -> None:
+    """Compile the plans' kernels not compiled yet in this mode, those of one source in one module: one g++ run
+    (the emulator's runtime parsed once) for the backward's two kernels."""
     from .. import simt
 
-    key = (plan.name, os.environ.get("CUFLASH_SIMT_MODE") or "fast")
-    function = _functions.get(key)
-    if function is None:
-        module = simt.RawModule(code=kernels.source(plan.source), options=OPTIONS, name_expressions=[plan.name],
-                                max_dynamic_shared=DEVICE.smem_per_block, filename=plan.source)
-        function = module.get_function(plan.name)
-        function.max_dynamic_shared_size_bytes = DEVICE.smem_per_block
-        _functions[key] = function
-    return function
+    todo = {}
+    for plan in plans:
+        if (plan.name, mode()) not in _functions:
+            todo.setdefault(plan.source, set()).add(plan.name)
+    for source, names in todo.items():
+        module = simt.RawModule(code=kernels.source(source), options=OPTIONS, name_expressions=sorted(names),
+                                max_dynamic_shared=DEVICE.smem_per_block, filename=source)
+        for name in names:
+            function = module.get_function(name)
+            function.max_dynamic_shared_size_bytes = DEVICE.smem_per_block
+            _functions[(name, mode())] = function

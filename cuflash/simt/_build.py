@@ -85,8 +85,12 @@ def translate_options(options) -> tuple[list[str], bool]:
 
 def flags_for(mode: str, options) -> list[str]:
     user, ftz = translate_options(options)
+    return runtime_flags(mode, ftz) + user
+
+
+def runtime_flags(mode: str, ftz: bool) -> list[str]:
     # The runtime header's directory comes first: it also holds stand-ins for cuda_fp16.h & co.
-    return _COMMON_FLAGS + _MODE_FLAGS[mode] + ["-I" + str(HERE)] + (["-DCUFLASH_SIMT_FTZ"] if ftz else []) + user
+    return _COMMON_FLAGS + _MODE_FLAGS[mode] + ["-I" + str(HERE)] + (["-DCUFLASH_SIMT_FTZ"] if ftz else [])
 
 
 def runtime_headers() -> list[Path]:
@@ -113,17 +117,51 @@ def build(tu: str, mode: str, options=(), display_name: str = "kernel.cu") -> Pa
     if out.exists():
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
+    pch = precompiled_header(cxx, mode, options)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
         src = Path(tmp) / "module.cpp"
         src.write_text(tu)
         lib = Path(tmp) / "module.so"
         # Debug info names the kernel source relative to the build directory, not this process's cwd.
-        cmd = shlex.split(cxx) + flags + [f"-fdebug-prefix-map={tmp}=.", str(src), "-o", str(lib)]
+        cmd = (shlex.split(cxx) + ([f"-I{pch}"] if pch else []) + flags +
+               [f"-fdebug-prefix-map={tmp}=.", str(src), "-o", str(lib)])
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if r.returncode != 0:
             raise CompileError(f"g++ could not compile {display_name} (mode {mode}):\n{r.stderr.strip()}")
         os.replace(lib, out)  # atomic: another process sees the whole file or none
     return out
+
+
+def precompiled_header(cxx: str, mode: str, options=()) -> Path | None:
+    """A directory holding cuflash_simt.h precompiled for this mode and these options, which g++ finds ahead of
+    the header itself (its -I comes first): a module then skips parsing the runtime, a third of its build. Built
+    once per compiler, runtime and flags, beside the libraries. The options' -D and -U are left out, so modules
+    that differ only in them share it: g++ checks that none changes what the header means, and parses the header
+    itself where one does. None when g++ cannot make one (the build then parses the header, as before)."""
+    user, ftz = translate_options(options)
+    flags = [f for f in runtime_flags(mode, ftz) if f != "-shared"] + \
+        [f for f in user if not f.startswith(("-D", "-U"))]
+    key = hashlib.sha256("\0".join([*flags, compiler_version(cxx), _runtime_digest(), str(HERE)]).encode())
+    where = cache_dir() / f"pch-{key.hexdigest()[:32]}"
+    failed = where.with_suffix(".failed")
+    if (where / "cuflash_simt.h.gch").exists() or failed.exists():
+        return None if failed.exists() else where
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".pch-"))
+    try:
+        # The header beside its precompiled form: the kernels' own #include of it (common.cuh) must find a file.
+        os.symlink(HERE / "cuflash_simt.h", tmp / "cuflash_simt.h")
+        r = subprocess.run(shlex.split(cxx) + flags + ["-x", "c++-header", str(HERE / "cuflash_simt.h"), "-o",
+                           str(tmp / "cuflash_simt.h.gch")], capture_output=True, text=True)
+        if r.returncode != 0:
+            failed.write_text(r.stderr)
+            return None
+        try:
+            os.rename(tmp, where)  # atomic: another process sees the whole directory or none
+        except OSError:
+            pass  # another process won the race
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return where
 
 
 def check_syntax(tu: str, display_name: str = "kernel.cu") -> None:

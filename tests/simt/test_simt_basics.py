@@ -4,6 +4,7 @@ misuse reported as LaunchError, argument checking, compile errors and the build 
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -337,7 +338,9 @@ def test_idle_fiber_stacks_of_modules_not_launched_lately_are_unmapped(tmp_path,
     whose stacks went launches again on fresh ones."""
     monkeypatch.setenv("CUFLASH_SIMT_CACHE", str(tmp_path))
     src = 'extern "C" __global__ void k(int* p) { p[threadIdx.x] = VALUE; }\n'
-    mods = [simt.RawModule(code=src, options=(f"-DVALUE={i}",), workers=1) for i in range(3 * simt.KEEP_STACKS)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:  # g++ runs in parallel
+        mods = list(pool.map(lambda i: simt.RawModule(code=src, options=(f"-DVALUE={i}",), workers=1),
+                             range(3 * simt.KEEP_STACKS)))
 
     def maps():
         with open("/proc/self/maps") as f:
@@ -385,3 +388,16 @@ def test_fiber_stack_overflow_says_so(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0
     assert "kernel 'big' overflowed its 65536-byte stack" in r.stderr and "stack_size=" in r.stderr, r.stderr
+
+
+def test_the_runtime_header_is_precompiled_once_per_mode_and_flags(tmp_path, monkeypatch):
+    """Modules that differ only in -D share one precompiled runtime header; -ftz=false (a flag the header reads)
+    gets its own; each module still computes with its own definitions."""
+    monkeypatch.setenv("CUFLASH_SIMT_CACHE", str(tmp_path))
+    src = 'extern "C" __global__ void k(int* p) { p[threadIdx.x] = VALUE; }\n'
+    p = np.zeros(32, np.int32)
+    for value, ftz in ((1, ()), (2, ()), (3, ("-ftz=false",))):
+        simt.RawModule(code=src, options=(f"-DVALUE={value}",) + ftz).get_function("k")((1,), (32,), (p,))
+        assert (p == value).all()
+    headers = sorted(tmp_path.glob("pch-*/cuflash_simt.h.gch"))
+    assert len(headers) == 2, sorted(tmp_path.iterdir())
