@@ -174,10 +174,13 @@ class ndarray:
 
 def _elementwise(function):
     """A CuPy ufunc: arrays of one device (the current one for scalars alone), no host arrays."""
-    def apply(*args):
-        if any(isinstance(x, np.ndarray) for x in args):
+    def apply(*args, out=None):
+        if any(isinstance(x, np.ndarray) for x in args + (out,)):
             raise TypeError("Unsupported type <class 'numpy.ndarray'>")
-        _same_device(*args)
+        _same_device(*args, *([out] if out is not None else []))
+        if out is not None:  # in place, as CuPy's ufuncs take out=
+            function(*(_unwrap(x) for x in args), out=out._a)
+            return out
         device = next((x._device_id for x in args if isinstance(x, ndarray)), _State.current)
         return ndarray(np.asarray(function(*(_unwrap(x) for x in args))), device)
     return apply
@@ -188,6 +191,18 @@ for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge"
     setattr(ndarray, f"__{_name.rstrip('_')}__", _elementwise(_op))
     if _name in ("add", "sub", "mul", "truediv"):
         setattr(ndarray, f"__r{_name}__", _elementwise(lambda a, b, _op=_op: _op(b, a)))
+
+def _in_place(name):
+    """x op= y in place, as CuPy does (Python's fallback would rebind x to a new array)."""
+    def apply(self, other):
+        _same_device(self, other)
+        getattr(operator, name)(self._a, _unwrap(other))
+        return self
+    return apply
+
+
+for _name in ("iadd", "isub", "imul", "itruediv"):
+    setattr(ndarray, f"__{_name}__", _in_place(_name))
 
 ndarray.__module__ = "cupy"  # what the front door routes by
 

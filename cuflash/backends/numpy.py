@@ -8,6 +8,8 @@ n * m is. Broadcast operands stay stride-0 views: tiles are sliced from them, ne
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -19,6 +21,7 @@ WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
 DEFAULT_BC = 512  # keys per tile: large enough that matmul, not Python, dominates
 TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibility and a where() result
 BACKWARD_TEMPS_PER_SCORE = 6  # the backward's: S, P, dO V^T, dS, the visibility and a where() result
+PARALLEL_MIN_SCORES = 1 << 18  # score tiles from this size on take their elementwise steps on every core
 
 
 def unavailable():
@@ -133,8 +136,7 @@ def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
     """The seed's update: new running max, rescale the old sum and output, add this tile's share."""
     m_new = np.maximum(m_i, s_ij.max(axis=-1))
     m_safe = np.where(m_new == -np.inf, 0, m_new)  # rows with nothing visible yet: exp(-inf - 0) = 0
-    p_ij = np.subtract(s_ij, m_safe[..., None], out=s_ij)  # S_ij is not needed again: P_ij takes its memory
-    np.exp(p_ij, out=p_ij)
+    p_ij = exp_shifted(s_ij, m_safe[..., None])  # S_ij is not needed again: P_ij takes its memory
     alpha = np.exp(m_i - m_safe)
     l_new = alpha * l_i + p_ij.sum(axis=-1)
     v_j = problem.v[index + (slice(j0, j1),)].astype(problem.acc_dtype, copy=False)
@@ -142,12 +144,70 @@ def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
     return m_new, l_new, o_new
 
 
-def weighted_values(p_ij, v_j, visible, xp=np):
+# ----------------------------------------------------------------------------------------------------------------
+# Elementwise steps on every core: NumPy's ufuncs run on one thread while its matmul runs on all of them, so on
+# large score tiles exp would otherwise take as long as a matmul. Row blocks go to a thread pool (ufuncs release
+# the GIL); the result does not depend on the split.
+
+_pool = None
+
+
+def _row_blocks(x):
+    """Slices of x's second-to-last axis, one per core, or None when x is small (or not NumPy's)."""
+    cores = os.cpu_count() or 1
+    if not isinstance(x, np.ndarray) or cores < 2 or x.size < PARALLEL_MIN_SCORES or x.ndim < 2:
+        return None
+    rows = x.shape[-2]
+    step = -(-rows // cores)
+    return [(..., slice(r, r + step), slice(None)) for r in range(0, rows, step)]
+
+
+def _on_every_core(step, *arrays):
+    """step(*views) over the row blocks of arrays[0] (the others broadcast along: same block or a row vector)."""
+    global _pool
+    blocks = _row_blocks(arrays[0])
+    if blocks is None:
+        step(*arrays)
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=os.cpu_count(), thread_name_prefix="cuflash")
+
+    def view(x, block):  # a row vector (..., rows, 1) is cut too; one of a single row is shared
+        return x if x.shape[-2] == 1 else x[block]
+    list(_pool.map(lambda block: step(*(view(x, block) for x in arrays)), blocks))
+
+
+def exp_shifted(s, shift, xp=np):
+    """exp(s - shift) in place of s (shift broadcast along the last axis): the softmax's numerator."""
+    if xp is not np:  # CuPy: a kernel each, on the GPU
+        s -= shift
+        return xp.exp(s, out=s)
+    _on_every_core(lambda x, c: np.exp(np.subtract(x, c, out=x), out=x), s, shift)
+    return s
+
+
+def score_gradient_in_place(dp, p, delta, xp=np):
+    """dS = P * (dP - D) in place of dP (D broadcast along the last axis)."""
+    def step(x, q, c):
+        with np.errstate(invalid="ignore"):
+            x -= c
+            x *= q
+    if xp is not np:
+        step(dp, p, delta)
+    else:
+        _on_every_core(step, dp, p, delta)
+    return dp
+
+
+def weighted_values(p_ij, v_j, visible, xp=np, all_finite=None):
     """P_ij @ V_j where hidden keys are removed by selection: a NaN or inf in a hidden value row must not
     reach the output through 0 * inf. Finite tiles (the common case) take the plain matmul. The backward uses it
-    for every product over a tile's keys or rows (visible then pairs the contraction index with the rows)."""
+    for every product over a tile's keys or rows (visible then pairs the contraction index with the rows);
+    all_finite: whether v_j is known to be all finite (None: look)."""
+    if visible is None or all_finite:
+        return xp.matmul(p_ij, v_j)
     finite = xp.isfinite(v_j)
-    if visible is None or bool(finite.all()):
+    if bool(finite.all()):
         return xp.matmul(p_ij, v_j)
     result = xp.matmul(p_ij, xp.where(finite, v_j, 0))
     # Add back the non-finite entries, only for the rows that see them.
@@ -188,18 +248,20 @@ def run_backward(problem, dout, out, lse, grads, block=None):
         with np.errstate(invalid="ignore"):
             delta = (do_i * out[rows].astype(acc)).sum(axis=-1)[..., None]
         scaled_q_i = q_i * scale
+        # Whether dO_i and Q_i are finite, asked once for all their key tiles (the products skip the test).
+        do_finite, q_finite = (bool(xp.isfinite(x).all()) for x in (do_i, scaled_q_i))
         j_start, j_stop = problem.key_range(i0, i1)
         for j0 in range(j_start, j_stop, bc):
             j1 = min(j_stop, j0 + bc)
             keys = index + (slice(j0, j1),)
             s_ij, visible = tile_scores(problem, index, scaled_q_i, i0, i1, j0, j1)
-            s_ij -= shift
-            p_ij = xp.exp(s_ij)
+            p_ij = exp_shifted(s_ij, shift, xp)  # S_ij is not needed again
             ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
             visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
-            dv[keys] += weighted_values(xp.swapaxes(p_ij, -1, -2), do_i, visible_t, xp)
-            dq[rows] += scale * weighted_values(ds_ij, problem.k[keys].astype(acc, copy=False), visible, xp)
-            dk[keys] += scale * weighted_values(xp.swapaxes(ds_ij, -1, -2), q_i, visible_t, xp)
+            dv[keys] += weighted_values(xp.swapaxes(p_ij, -1, -2), do_i, visible_t, xp, do_finite)
+            scaled_k_j = problem.k[keys].astype(acc) * scale  # small: the scale folded into the operand
+            dq[rows] += weighted_values(ds_ij, scaled_k_j, visible, xp)
+            dk[keys] += weighted_values(xp.swapaxes(ds_ij, -1, -2), scaled_q_i, visible_t, xp, q_finite)
             if dbias is not None:
                 dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
 
@@ -209,8 +271,5 @@ def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
     dO_i V_j^T NaN there)."""
     xp = problem.xp
     v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
-    ds_ij = xp.matmul(do_i, xp.swapaxes(v_j, -1, -2))  # dP_ij, turned into dS_ij in place
-    with np.errstate(invalid="ignore"):
-        ds_ij -= delta
-        ds_ij *= p_ij
+    ds_ij = score_gradient_in_place(xp.matmul(do_i, xp.swapaxes(v_j, -1, -2)), p_ij, delta, xp)
     return ds_ij if visible is None else xp.where(visible, ds_ij, 0)

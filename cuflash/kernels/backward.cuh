@@ -56,8 +56,8 @@ template <typename T, typename Smem> struct BackwardTiles {
           shift(reinterpret_cast<Acc*>(smem + Smem::rows_offset)), delta(shift + Smem::Queries) {}
 };
 
-// The parameters both backward kernels take, in the order the launch code passes them (cudacore.BACKWARD_*'s
-// operands and scalars).
+// The parameters every backward kernel takes, in the order the launch code passes them (BACKWARD_OPERANDS and
+// BACKWARD_SCALARS in cuflash/family.py).
 #define CUFLASH_BACKWARD_PARAMS                                                                                 \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const bool *__restrict__ mask,  \
         const typename AccOf<T>::type *__restrict__ bias, const T *__restrict__ dout,                          \
