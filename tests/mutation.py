@@ -102,7 +102,7 @@ MUTANTS = (
       "tiles straddling the window edge take every key"),
     # ---- the NumPy backward
     m("backward-no-delta", "cuflash/backends/numpy.py",
-      [("            x -= c\n", "")], [f"{BACKWARD}::test_matches_reference"],
+      [("        dp -= delta\n", "")], [f"{BACKWARD}::test_matches_reference"],
       "dS without FlashAttention-2's D_i = rowsum(dO * O): the softmax Jacobian's second term dropped"),
     m("backward-ds-unselected", "cuflash/backends/numpy.py",
       [("    return ds_ij if visible is None else xp.where(visible, ds_ij, 0)\n", "    return ds_ij\n")],

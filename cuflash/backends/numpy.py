@@ -8,8 +8,6 @@ n * m is. Broadcast operands stay stride-0 views: tiles are sliced from them, ne
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -21,7 +19,6 @@ WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
 DEFAULT_BC = 512  # keys per tile: large enough that matmul, not Python, dominates
 TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibility and a where() result
 BACKWARD_TEMPS_PER_SCORE = 6  # the backward's: S, P, dO V^T, dS, the visibility and a where() result
-PARALLEL_MIN_SCORES = 1 << 18  # score tiles from this size on take their elementwise steps on every core
 
 
 def unavailable():
@@ -144,58 +141,18 @@ def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
     return m_new, l_new, o_new
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Elementwise steps on every core: NumPy's ufuncs run on one thread while its matmul runs on all of them, so on
-# large score tiles exp would otherwise take as long as a matmul. Row blocks go to a thread pool (ufuncs release
-# the GIL); the result does not depend on the split.
-
-_pool = None
-
-
-def _row_blocks(x):
-    """Slices of x's second-to-last axis, one per core, or None when x is small (or not NumPy's)."""
-    cores = os.cpu_count() or 1
-    if not isinstance(x, np.ndarray) or cores < 2 or x.size < PARALLEL_MIN_SCORES or x.ndim < 2:
-        return None
-    rows = x.shape[-2]
-    step = -(-rows // cores)
-    return [(..., slice(r, r + step), slice(None)) for r in range(0, rows, step)]
-
-
-def _on_every_core(step, *arrays):
-    """step(*views) over the row blocks of arrays[0] (the others broadcast along: same block or a row vector)."""
-    global _pool
-    blocks = _row_blocks(arrays[0])
-    if blocks is None:
-        step(*arrays)
-        return
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count(), thread_name_prefix="cuflash")
-
-    def view(x, block):  # a row vector (..., rows, 1) is cut too; one of a single row is shared
-        return x if x.shape[-2] == 1 else x[block]
-    list(_pool.map(lambda block: step(*(view(x, block) for x in arrays)), blocks))
-
-
 def exp_shifted(s, shift, xp=np):
-    """exp(s - shift) in place of s (shift broadcast along the last axis): the softmax's numerator."""
-    if xp is not np:  # CuPy: a kernel each, on the GPU
-        s -= shift
-        return xp.exp(s, out=s)
-    _on_every_core(lambda x, c: np.exp(np.subtract(x, c, out=x), out=x), s, shift)
-    return s
+    """exp(s - shift) in place of s (shift broadcast along the last axis): the softmax's numerator, with no
+    score-sized temporary."""
+    s -= shift
+    return xp.exp(s, out=s)
 
 
-def score_gradient_in_place(dp, p, delta, xp=np):
+def score_gradient_in_place(dp, p, delta):
     """dS = P * (dP - D) in place of dP (D broadcast along the last axis)."""
-    def step(x, q, c):
-        with np.errstate(invalid="ignore"):
-            x -= c
-            x *= q
-    if xp is not np:
-        step(dp, p, delta)
-    else:
-        _on_every_core(step, dp, p, delta)
+    with np.errstate(invalid="ignore"):
+        dp -= delta
+        dp *= p
     return dp
 
 
@@ -271,5 +228,5 @@ def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
     dO_i V_j^T NaN there)."""
     xp = problem.xp
     v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
-    ds_ij = score_gradient_in_place(xp.matmul(do_i, xp.swapaxes(v_j, -1, -2)), p_ij, delta, xp)
+    ds_ij = score_gradient_in_place(xp.matmul(do_i, xp.swapaxes(v_j, -1, -2)), p_ij, delta)
     return ds_ij if visible is None else xp.where(visible, ds_ij, 0)
