@@ -1,0 +1,149 @@
+"""bench/sass_report.py: the loop finder and the steady state's path on a hand-written SASS snippet (no compiler
+needed), and the script's tiny CI mode end to end (NVRTC and cuobjdump: skips without them, as test_cubin.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import sass_report
+from cuflash import DeviceLimits, tiling
+from cuflash.family import Shape
+from test_cubin import cuobjdump, nvrtc_unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MISSING = nvrtc_unavailable() or (None if cuobjdump() else "cuobjdump or nvdisasm is missing: "
+                                   "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+needs_tools = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+
+# A key-tile loop [0x30, 0xf0] around an inner loop [0x50, 0x80] that a guard may skip, a cold block a branch
+# skips, two products (the second after a branch that would jump over it), then an out-of-line stub whose jump
+# back into the loop is no loop, and the trap after the exit.
+SNIPPET = [
+    (0x00, "S2R R0, SR_TID.X"),
+    (0x10, "ISETP.GE.AND P0, PT, R0, 0x10, PT"),
+    (0x20, "@P0 EXIT"),
+    (0x30, "IMAD.MOV.U32 R2, RZ, RZ, RZ"),
+    (0x40, "@P3 BRA 0x90"),
+    (0x50, "LDS R5, [R2]"),
+    (0x60, "FFMA R6, R5, R5, R6"),
+    (0x70, "IADD3 R2, R2, 0x4, RZ"),
+    (0x80, "@P5 BRA 0x50"),
+    (0x90, "@P1 BRA 0xc0"),
+    (0xa0, "LDG.E R7, desc[UR4][R8.64]"),
+    (0xb0, "FFMA R6, R7, R7, R6"),
+    (0xc0, "HMMA.16816.F32 R12, R16, R20, R12"),
+    (0xd0, "@P4 BRA 0xf0"),
+    (0xe0, "HMMA.16816.F32 R12, R16, R22, R12"),
+    (0xf0, "@P2 BRA 0x30"),
+    (0x100, "EXIT"),
+    (0x110, "WARPSYNC.COLLECTIVE R9, 0x120"),
+    (0x120, "BRA 0x40"),
+    (0x130, "BRA 0x130"),
+]
+
+
+def snippet_code():
+    text = "\n".join(f"        /*{addr:04x}*/{'':19}{ins} ;{'':20}/* 0x000fe20000000f00 */" for addr, ins in SNIPPET)
+    return sass_report.parse(f"\tFunction : _Z6kernelv\n{text}\n")
+
+
+def classes_of(counts):
+    return {cls: n for cls, n in sass_report.classes(counts).items() if n}
+
+
+def test_parse_reads_predicates_opcodes_and_targets():
+    code = snippet_code()
+    assert [ins.addr for ins in code] == [addr for addr, _ in SNIPPET]
+    assert code[2].pred == "@P0" and code[2].base == "EXIT"
+    assert code[12].op == "HMMA.16816.F32" and sass_report.classify(code[12]) == "tensor"
+    assert [sass_report.branch_target(code[i]) for i in (4, 8, 15, 18)] == [0x90, 0x50, 0x30, 0x40]
+    assert not sass_report.falls_through(code[16]) and sass_report.falls_through(code[15])
+
+
+def test_loop_finder_nests_the_inner_loop_and_ignores_stubs_and_traps():
+    code = snippet_code()
+    loops = sass_report.find_loops(code)
+    assert len(loops) == 1  # the stub's jump back (0x120 -> 0x40) and the trap (0x130) are not loops
+    outer = sass_report.key_loop(code, loops)
+    assert (code[outer.head].addr, code[outer.end].addr) == (0x30, 0xf0)
+    [inner] = outer.children
+    assert (code[inner.head].addr, code[inner.end].addr) == (0x50, 0x80) and not inner.children
+    assert sass_report.kind_of(code, inner) == "fma"
+
+
+def test_path_weights_required_inner_loops_and_skips_cold_code_but_no_product():
+    code = snippet_code()
+    outer = sass_report.find_loops(code)[0]
+    inner = outer.children[0]
+    once = sass_report.iteration(code, inner)
+    assert sum(once.values()) == 4
+    cost = {inner.head: sass_report.scaled(once, 3)}
+    # Required, three trips: the head, the guard, 3 x 4 inside, the cold block skipped, both products and the
+    # branch before the second (it may not jump over a product), the latch.
+    path = sass_report.cheapest_path(code, outer, cost, [[inner]])
+    assert classes_of(path) == {"integer": 4, "branch": 7, "shared_load": 3, "fma": 3, "tensor": 2}
+    # Not required: the guard skips it (a cold loop).
+    path = sass_report.cheapest_path(code, outer, cost, [])
+    assert classes_of(path) == {"integer": 1, "branch": 4, "tensor": 2}
+    # The span: every instruction of the loop once, the inner loop three times.
+    assert sum(sass_report.span_tally(code, outer, {inner.head: 3}).values()) == 9 + 12
+
+
+def test_trip_counts_follow_the_template_arguments():
+    device = DeviceLimits.known("H100")
+    plan = tiling.plan(Shape(np.float32, 64, 64, 4096, 4096), device, (64, 64))
+    steps = sass_report.steps(plan)
+    threads = 32 * plan.config.warps
+    assert [s.name for s in steps] == ["K_j", "V_j", "S = Q K^T over d", "O += P V over Bc"]
+    assert steps[0].work == 64 * 64 // 4 // threads  # 16-byte chunks of K_j per thread
+    rows = 64 // (threads // 16)
+    assert steps[2].work == rows * (64 // 16) * 64  # FMAs per thread of S = Q K^T
+    once = {("fma", "FFMA"): 2 * rows * (64 // 16)}  # a loop unrolled twice
+    assert sass_report.per_iteration(steps[2], once) == (steps[2].work, 2 * rows * 4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sass")
+    done = subprocess.run([sys.executable, "-m", "bench.sass_report", "--tiny", "--json", str(out / "report.json"),
+                           "--sass-dir", str(out / "sass")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out, done.stdout
+
+
+@needs_tools
+def test_tiny_run_prints_writes_json_and_sass(tiny):
+    out, stdout = tiny
+    assert "Estimates" in stdout and "TFLOP/s" in stdout and "fwd_mma<128,64,64,64,8,2>" in stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"] == sass_report.SCHEMA
+    assert {"command", "estimates", "method", "rates", "rows"} <= set(report)
+    [row] = report["rows"]
+    assert {"kernel", "usage", "per_tile", "span", "opcodes", "inner_loops", "instructions_per_mma",
+            "ldmatrix_per_mma", "clocks_per_tile", "bound", "tflops"} <= set(row)
+    assert row["bound"] in row["clocks_per_tile"] and row["tflops"] > 0
+    [sass] = (out / "sass").glob("*.sass")
+    assert "HMMA" in sass.read_text()
+
+
+@needs_tools
+def test_tensor_core_forward_counts(tiny):
+    """The float16 forward at d = 64 on an H100: every product on tensor cores, each tile's K/V prefetch
+    (two 16-byte chunks per thread per tile), and no local memory."""
+    out, _ = tiny
+    [row] = json.loads((out / "report.json").read_text())["rows"]
+    tile = row["per_tile"]
+    plan = tiling.plan(Shape(np.float16, 64, 64, 16384, 16384), DeviceLimits.known("H100"))
+    mt, nt, kd, et = plan.config.Br // (16 * plan.config.warps), plan.config.Bc // 8, 64 // 16, 64 // 8
+    assert tile["tensor"] == mt * (nt * kd + et * plan.config.Bc // 16) > 0
+    assert tile["local"] == 0 and row["span"]["local"] == 0
+    assert not any(op.split(".")[0] in ("LDL", "STL") for op in row["opcodes"])
+    [sass] = (out / "sass").glob("*.sass")
+    assert not {"LDL", "STL"} & {ins.base for ins in sass_report.parse(sass.read_text())}
+    assert [loop["trips"] for loop in row["inner_loops"] if loop["required"]] == [2, 2]
+    assert tile["cp_async"] == 4 and row["notes"] == []
