@@ -123,18 +123,28 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
 
         // Scale, bias and visibility; a hidden key's score becomes -inf by selection and its bit is remembered.
+        // A full tile without bias is scaled and nothing else (its rows past n are computed, never stored).
         unsigned hidden[RPT];
+        if (!partial && !ops.has_bias) {
 #pragma unroll
-        for (int a = 0; a < RPT; ++a) {
-            hidden[a] = 0;
-            const long long i = i0 + ty * RPT + a;
+            for (int a = 0; a < RPT; ++a) {
+                hidden[a] = 0;
 #pragma unroll
-            for (int c = 0; c < CPT; ++c) {
-                const int jj = tx + TC * c;
-                bool visible;
-                S[a][c] = visible_score(S[a][c], scale_log2, ops, bias, mask, i, j0 + jj, jj, cols, n, left, right,
-                                        partial, visible);
-                if (!visible) hidden[a] |= 1u << c;
+                for (int c = 0; c < CPT; ++c) S[a][c] *= scale_log2;
+            }
+        } else {
+#pragma unroll
+            for (int a = 0; a < RPT; ++a) {
+                hidden[a] = 0;
+                const long long i = i0 + ty * RPT + a;
+#pragma unroll
+                for (int c = 0; c < CPT; ++c) {
+                    const int jj = tx + TC * c;
+                    bool visible;
+                    S[a][c] = visible_score(S[a][c], scale_log2, ops, bias, mask, i, j0 + jj, jj, cols, n, left,
+                                            right, partial, visible);
+                    if (!visible) hidden[a] |= 1u << c;
+                }
             }
         }
 

@@ -176,26 +176,39 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         }
 
         // Scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and their bits
-        // are kept for the rare CUDA-core P V. Only partial tiles pay for per-element visibility.
+        // are kept for the rare CUDA-core P V. Only partial tiles and a bias pay for per-element work: a full
+        // tile without bias is scaled and nothing else (its rows past n, if any, are computed but never stored).
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
         unsigned hidden[MT][2];
+        if (!partial && !ops.has_bias) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                hidden[mt][h] = 0;
-                const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
+            for (int mt = 0; mt < MT; ++mt) {
+                hidden[mt][0] = hidden[mt][1] = 0;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-                        const int jj = 8 * nt + 2 * quad_col + x;
-                        bool visible;
-                        S[mt][nt][2 * h + x] = visible_score(S[mt][nt][2 * h + x], scale_log2, ops, bias, mask, i,
-                                                             j0 + jj, jj, cols, n, left, right, partial, visible);
-                        if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
-                    }
+                    for (int x = 0; x < 4; ++x) S[mt][nt][x] *= scale_log2;
             }
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    hidden[mt][h] = 0;
+                    const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) {
+                            const int jj = 8 * nt + 2 * quad_col + x;
+                            bool visible;
+                            S[mt][nt][2 * h + x] = visible_score(S[mt][nt][2 * h + x], scale_log2, ops, bias, mask,
+                                                                 i, j0 + jj, jj, cols, n, left, right, partial,
+                                                                 visible);
+                            if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
+                        }
+                }
+        }
 
         // Online softmax: new running max, rescale l_i and O_i by exp2(m_old - m_new), P = exp2(S - m_new).
 #pragma unroll
