@@ -43,11 +43,13 @@ __device__ __forceinline__ KeyRange key_range(long long i0, long long i1, long l
 // With Split, gridDim.x holds (key splits) x (query tiles) blocks: this block's tile and split. A split sweeps
 // only its share of the keys and writes its partial out and lse at its own place (the launch code combines the
 // splits). A compile-time choice, like Sliced: the split arithmetic costs the other kernels registers.
+// Query tiles go last first: under a causal mask the last rows see the most keys, and the heaviest blocks should
+// start first, not leave the GPU waiting on them at the end.
 template <int Br, bool Split>
 __device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long long b, long long n, long long m,
                                                         long long left, long long right, int flags) {
-    const long long tiles = Split ? max_ll(1, (n + Br - 1) / Br) : 1, split = Split ? blockIdx.x / tiles : 0;
-    const long long i0 = (Split ? blockIdx.x % tiles : blockIdx.x) * (long long)Br;
+    const long long tiles = max_ll(1, (n + Br - 1) / Br), split = Split ? blockIdx.x / tiles : 0;
+    const long long i0 = (tiles - 1 - (Split ? blockIdx.x % tiles : blockIdx.x)) * (long long)Br;
     const int rows = (int)min_ll(Br, n - i0);
     KeyRange keys = key_range(i0, i0 + rows, m, m - n, left, right);
     BatchOffsets base = batch_offsets(g, b);
