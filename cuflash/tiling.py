@@ -1,5 +1,5 @@
 """The planner: one heuristic walks the kernel families of a kind (the forward: tensorcore.FORWARD, then
-cudacore.FORWARD; the backward's two halves: cudacore.BACKWARD_DQ and cudacore.BACKWARD_DKDV) and returns a Plan,
+cudacore.FORWARD; each half of the backward, "dq" and "dkdv": tensorcore's, then cudacore's) and returns a Plan,
 everything a launch needs (kernel, tiles, name expression, block, shared memory, key splits, column blocks), for
 a problem's Shape on a device, present or not. The launch code executes a plan and never plans.
 

@@ -95,22 +95,19 @@ __device__ __forceinline__ void load_row_terms(Acc* shift, Acc* delta_s, const A
     }
 }
 
-// A compile-time bool for generic lambdas: a tile's element loop is compiled once per kind of tile.
-template <bool B> struct Bool { static constexpr bool value = B; };
-
 // P_ij and dS_ij of one (query, key) pair from its raw score S = q_i . k_j and dP = dO_i . v_j: visibility, scale
 // and bias as the forward's (visible_score), P = exp2(s - lse_i log2 e). Returns whether the pair is visible;
-// a hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value row never enters them). Plain: a
-// full tile without bias (every pair of the block's rows visible), scaled and nothing else.
-template <bool Plain, typename A>
-__device__ __forceinline__ bool score_gradient(A S, A dP, A shift, A delta_i, A scale_log2,
+// a hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value row never enters them). plain: a
+// full tile without bias (every pair of the block's rows visible), scaled and nothing else. The kernels call
+// their element loop (a lambda) with plain a constant at each call, so it is compiled once per kind of tile.
+template <typename A>
+__device__ __forceinline__ bool score_gradient(bool plain, A S, A dP, A shift, A delta_i, A scale_log2,
                                                const BlockOperands& ops, const A* bias, const bool* mask,
                                                long long i, long long j, int jj, int cols, long long n,
                                                long long left, long long right, bool partial, A& p, A& ds) {
     bool visible = true;
     A s = S * scale_log2;
-    if constexpr (!Plain)
-        s = visible_score(S, scale_log2, ops, bias, mask, i, j, jj, cols, n, left, right, partial, visible);
+    if (!plain) s = visible_score(S, scale_log2, ops, bias, mask, i, j, jj, cols, n, left, right, partial, visible);
     p = visible ? exp2_(s - shift) : A(0);
     ds = visible ? p * (dP - delta_i) : A(0);
     return visible;
@@ -226,8 +223,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
         tile_product<RPT, CPT, Smem::LDE, Smem::LDE>(dP, s.dO, s.V, (int)e, ty, tx);
 
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
-        auto gradients = [&](auto plain) {  // plain: a full tile without bias (so without a dbias to write)
-            constexpr bool Plain = decltype(plain)::value;
+        auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
                 const int r = ty * RPT + a;
@@ -236,20 +232,20 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
                 for (int c = 0; c < CPT; ++c) {
                     const int jj = tx + TC * c;
                     Acc p, ds;
-                    const bool visible = score_gradient<Plain>(S[a][c], dP[a][c], s.shift[r], s.delta[r],
+                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], s.shift[r], s.delta[r],
                                                                scale_log2, ops, bias, mask, i, j0 + jj, jj, cols, n,
                                                                left, right, partial, p, ds);
                     s.P[r * Smem::LDP + jj] = visible ? p : hidden_p<Acc>();
                     s.dS[r * Smem::LDP + jj] = ds;
-                    if (!Plain && (flags & kWantDbias) && r < rows && jj < cols)
+                    if (!plain && (flags & kWantDbias) && r < rows && jj < cols)
                         dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
                 }
             }
         };
         if (!partial && !ops.has_bias)
-            gradients(Bool<true>{});
+            gradients(true);
         else
-            gradients(Bool<false>{});
+            gradients(false);
         __syncthreads();
         weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, s.K, cols, partial, ty, tx);
     }
@@ -306,8 +302,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
         tile_product<RPT, CPT, Smem::LDE, Smem::LDE>(dP, s.V, s.dO, (int)e, ty, tx);
 
         const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
-        auto gradients = [&](auto plain) {  // plain: a full tile (every query of it too) without bias
-            constexpr bool Plain = decltype(plain)::value;
+        auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
                 const int r = ty * RPT + a;
@@ -316,7 +311,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                     const int ii = tx + TC * c;
                     Acc p, ds;
                     // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                    const bool visible = score_gradient<Plain>(S[a][c], dP[a][c], s.shift[ii], s.delta[ii],
+                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], s.shift[ii], s.delta[ii],
                                                                scale_log2, ops, bias, mask, i0 + ii, j0 + r, r, keys,
                                                                i0 + rows, left, right, partial, p, ds);
                     s.P[r * Smem::LDP + ii] = visible ? p : hidden_p<Acc>();
@@ -325,9 +320,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
             }
         };
         if (!partial && !ops.has_bias && rows == Br)
-            gradients(Bool<true>{});
+            gradients(true);
         else
-            gradients(Bool<false>{});
+            gradients(false);
         __syncthreads();
         weighted_rows<RPT, EPT, Smem::LDP, Smem::LDE>(dV, s.P, s.P, s.dO, rows, partial, ty, tx);
         weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, s.Q, rows, partial, ty, tx);

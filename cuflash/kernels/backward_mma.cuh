@@ -197,8 +197,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
         mma::product_nk<T, MT, Br, E>(dS, V_s, dO_s, warp_row, lane);
         const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
         unsigned hidden[MT][2];
-        auto gradients = [&](auto plain) {  // plain: a full tile (every query of it too) without bias
-            constexpr bool Plain = decltype(plain)::value;
+        auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -213,7 +212,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                             float& p = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
                             // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                            if (!score_gradient<Plain>(p, ds, shift[ii], delta_s[ii], scale_log2, ops, bias, mask,
+                            if (!score_gradient(plain, p, ds, shift[ii], delta_s[ii], scale_log2, ops, bias, mask,
                                                        i0 + ii, j0 + r, r, keys, i0 + rows, left, right, partial, p,
                                                        ds))
                                 hidden[mt][h] |= 1u << (2 * nt + x);
@@ -221,9 +220,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                 }
         };
         if (!partial && !ops.has_bias && rows == Br)
-            gradients(Bool<true>{});
+            gradients(true);
         else
-            gradients(Bool<false>{});
+            gradients(false);
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(Q_s, rows) ||
                                                          mma::tile_nonfinite<T, E, Threads>(dO_s, rows));
         if (!careful) {
@@ -294,8 +293,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
         mma::product_nk<T, MT, Bc, E>(dS, dO_s, V_s, warp_row, lane);
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
         unsigned hidden[MT][2];
-        auto gradients = [&](auto plain) {  // plain: a full tile without bias (so without a dbias to write)
-            constexpr bool Plain = decltype(plain)::value;
+        auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -310,18 +308,18 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
                             const int jj = 8 * nt + 2 * quad_col + x;
                             float& p = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
-                            if (!score_gradient<Plain>(p, ds, shift[r], delta_s[r], scale_log2, ops, bias, mask, i,
+                            if (!score_gradient(plain, p, ds, shift[r], delta_s[r], scale_log2, ops, bias, mask, i,
                                                        j0 + jj, jj, cols, n, left, right, partial, p, ds))
                                 hidden[mt][h] |= 1u << (2 * nt + x);
-                            if (!Plain && (flags & kWantDbias) && r < rows && jj < cols)
+                            if (!plain && (flags & kWantDbias) && r < rows && jj < cols)
                                 dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
                         }
                 }
         };
         if (!partial && !ops.has_bias)
-            gradients(Bool<true>{});
+            gradients(true);
         else
-            gradients(Bool<false>{});
+            gradients(false);
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(K_s, cols));
         if (!careful)
             mma::product_kn<T, MT, Bc, D>(dQ, dS, K_s, lane);
