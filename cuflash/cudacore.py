@@ -9,7 +9,8 @@ from dataclasses import replace
 from typing import List, Tuple
 
 from .dtypes import acc_dtype_of
-from .family import BACKWARD_OPERANDS, BACKWARD_SCALARS, C_TYPES, LANES_PER_ROW, BlockConfig, Family, Shape
+from .family import (BACKWARD_OPERANDS, BACKWARD_SCALARS, C_TYPES, LANES_PER_ROW, BlockConfig, Family, Shape,
+                     align16)
 
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)  # D and E instantiations; the actual d, e are run-time values
 MAX_BUCKET = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
@@ -40,9 +41,6 @@ def buckets(shape: Shape, config: BlockConfig) -> Tuple[int, int]:
     return bucket(min(shape.d, limit)), bucket(min(shape.e, limit))
 
 
-def _align16(nbytes: int) -> int:
-    return (nbytes + 15) // 16 * 16
-
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     """Dynamic shared memory of one block: the Q, K, V tiles in the element type (rows padded to an odd number of
@@ -51,10 +49,10 @@ def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     acc = acc_dtype_of(shape.dtype).itemsize
     D, E = buckets(shape, config)
     pad = 4 // item if item < 4 else 1
-    q = _align16(item * config.Br * (D + pad))
-    k = _align16(item * config.Bc * (D + pad))
-    v = _align16(item * config.Bc * E)
-    p = _align16(acc * config.Br * (config.Bc + 1))
+    q = align16(item * config.Br * (D + pad))
+    k = align16(item * config.Bc * (D + pad))
+    v = align16(item * config.Bc * E)
+    p = align16(acc * config.Br * (config.Bc + 1))
     return q + k + v + p
 
 
@@ -164,8 +162,8 @@ def _backward_family(kind: str) -> Family:
         D, E = backward_buckets(shape, config)
         pad = 4 // item if item < 4 else 1
         own, swept = own_and_swept(config)
-        tiles = sum(_align16(item * rows * (width + pad)) for rows in (config.Br, config.Bc) for width in (D, E))
-        return tiles + 2 * _align16(acc * own * (swept + 1)) + _align16(acc * 2 * config.Br)
+        tiles = sum(align16(item * rows * (width + pad)) for rows in (config.Br, config.Bc) for width in (D, E))
+        return tiles + 2 * align16(acc * own * (swept + 1)) + align16(acc * 2 * config.Br)
 
     def accumulator_words(shape: Shape, config: BlockConfig) -> int:
         """Per thread: S and dP over its rows x swept columns, and the block's gradients (dQ; or dK and dV)."""

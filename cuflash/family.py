@@ -27,6 +27,11 @@ BACKWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "dout", "lse", "delta", "dq"
 BACKWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "scale", "left", "right", "flags")
 
 
+def align16(nbytes: int) -> int:
+    """nbytes rounded up to a 16-byte boundary, as the kernels' shared-memory structs align each region."""
+    return (nbytes + 15) // 16 * 16
+
+
 @dataclass(frozen=True)
 class Shape:
     """What a plan depends on: the element dtype and the head dims d and e, and, when known, the query and key

@@ -140,13 +140,18 @@ def launches(problem, out, lse, plan: Plan, split_strides: Tuple[int, int] = (0,
     return result
 
 
-def backward_launches(problem, plan: Plan, dout, lse, delta, grads) -> List[Launch]:
-    """The launches of one backward kernel as planned (a plan of kind "dq" or "dkdv"): dout, the forward's lse
-    and delta (D_i) in, grads = (dq, dk, dv, dbias or None) over the whole batch in the accumulator type out."""
+def backward_operands(problem, dout, lse, delta, grads) -> dict:
+    """Every operand of the backward kernels by name: dout, the forward's lse and delta (D_i) in, grads = (dq, dk,
+    dv, dbias or None) over the whole batch in the accumulator type out. Made once for both kernels (the bias is
+    cast to the accumulator type here)."""
+    bias = None if problem.bias is None else bias_operand(problem)
+    return {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": bias, "dout": dout,
+            "lse": lse, "delta": delta, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
+
+
+def backward_launches(problem, plan: Plan, operands: dict) -> List[Launch]:
+    """The launches of one backward kernel as planned (a plan of kind "dq" or "dkdv") on backward_operands."""
     check_plan(problem, plan)
-    operands = {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask,
-                "bias": None if problem.bias is None else bias_operand(problem), "dout": dout, "lse": lse,
-                "delta": delta, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
     return _batch_launches(problem, operands, problem.e, plan, (0, 0))
 
 
@@ -311,12 +316,13 @@ def run(problem, out, lse, plan: Plan, get_kernel: Callable[[Plan], Any]) -> Non
 def run_backward(problem, plans, dout, out, lse, grads, get_kernel: Callable[[Plan], Any]) -> None:
     """The backward kernels as planned (tiling.backward_plans): delta = rowsum(dout * out) first (FlashAttention-2's
     preprocessing, in the accumulator type), then each kernel, the only writer of its gradients."""
-    xp, acc = problem.xp, problem.acc_dtype
+    acc = problem.acc_dtype
     with np.errstate(invalid="ignore", over="ignore"):
         delta = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
+    operands = backward_operands(problem, dout, lse, delta, grads)
     for plan in plans:
         if plan.grid_x:  # no keys: dk and dv are empty, dq stays 0
-            _run(backward_launches(problem, plan, dout, lse, delta, grads), plan, get_kernel)
+            _run(backward_launches(problem, plan, operands), plan, get_kernel)
 
 
 def _run(todo: List[Launch], plan: Plan, get_kernel) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import List
 
-from .family import BACKWARD_OPERANDS, BACKWARD_SCALARS, C_TYPES, BlockConfig, Family, Shape
+from .family import BACKWARD_OPERANDS, BACKWARD_SCALARS, C_TYPES, BlockConfig, Family, Shape, align16
 
 DTYPES = ("float16", "bfloat16")
 MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, cp.async
@@ -164,9 +164,9 @@ def _backward_family(kind: str) -> Family:
         scratch: 16 rows of the swept width + 1 floats and 16 x 4 words. Mirrors MmaBackwardShared."""
         D, E = bucket(shape.d), bucket(shape.e)
         swept = own_and_swept(config)[1]
-        tiles = sum(_align16(ITEM * rows * (width + ROW_PAD)) for rows in (config.Br, config.Bc) for width in (D, E))
-        scratch = _align16(4 * config.warps * 16 * (swept + 1)) + _align16(4 * config.warps * 16 * 4)
-        return tiles + _align16(4 * 2 * config.Br) + scratch
+        tiles = sum(align16(ITEM * rows * (width + ROW_PAD)) for rows in (config.Br, config.Bc) for width in (D, E))
+        scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
+        return tiles + align16(4 * 2 * config.Br) + scratch
 
     def accumulator_words(shape: Shape, config: BlockConfig) -> int:
         """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients."""
@@ -217,9 +217,6 @@ def _backward_family(kind: str) -> Family:
         tiles_along="keys" if keys_own else "queries", operands=BACKWARD_OPERANDS,
         scalars=BACKWARD_SCALARS)
 
-
-def _align16(nbytes: int) -> int:
-    return (nbytes + 15) // 16 * 16
 
 
 BACKWARD_DQ = _backward_family("dq")

@@ -161,8 +161,9 @@ def test_launches_cover_both_kernels_once_each():
     grads = [np.zeros((3, 33, 8), np.float32), np.zeros((3, 50, 8), np.float32), np.zeros((3, 50, 4), np.float32),
              None]
     delta = np.zeros((3, 33), np.float32)
-    (a,) = launch.backward_launches(problem, dkdv, out, lse, delta, grads)
-    (b,) = launch.backward_launches(problem, dq, out, lse, delta, grads)
+    operands = launch.backward_operands(problem, out, lse, delta, grads)
+    (a,) = launch.backward_launches(problem, dkdv, operands)
+    (b,) = launch.backward_launches(problem, dq, operands)
     assert (a.name, a.grid) == ("cuflash::bwd_dkdv<float, 16, 16, 16, 16, 2>", (4, 3, 1))  # 50 keys / 16
     assert (b.name, b.grid) == ("cuflash::bwd_dq<float, 16, 16, 16, 16, 2>", (3, 3, 1))  # 33 queries / 16
     assert a.shared_mem == dkdv.family.shared_memory_bytes(problem.shape, SMALL)
