@@ -158,16 +158,11 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=()):
     the backward sums each gradient back to them). others: further arrays whose dtypes take part in the
     bfloat16 check (out=, the backward's saved tensors)."""
     q, k, v = (as_array(x, xp, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    check_core_dims(q, k, v)
-    dtype = common_dtype(q.dtype, k.dtype, v.dtype, name=NAME)
     mask = None if mask is None else as_array(mask, xp, "mask")
     bias = None if bias is None else as_array(bias, xp, "bias")
-    check_mask_bias_dtypes(mask, bias)
+    batch, n, m, d, e, dtype = core_sizes(q, k, v, mask, bias)
     check_bfloat16_support(xp, [dtype, q.dtype, k.dtype, v.dtype] + [x.dtype for x in (bias,) + tuple(others)
                                                                   if isinstance(x, xp.ndarray)])
-    n, d = q.shape[-2:]
-    m, e = v.shape[-2:]
-    batch = broadcast_batch(q, k, v, mask, bias, n, m)
     problem = Problem(
         q=xp.broadcast_to(q.astype(dtype, copy=False), batch + (n, d)),
         k=xp.broadcast_to(k.astype(dtype, copy=False), batch + (m, d)),
@@ -182,6 +177,17 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=()):
         bias_hides=bias_may_hide(bias, xp),
     )
     return problem, (q, k, v, mask, bias)
+
+
+def core_sizes(q, k, v, mask, bias):
+    """(batch, n, m, d, e, dtype) of the operands, checked by NumPy's rules: core dimensions, dtypes and the
+    broadcast batch shape. Reads only shapes and dtypes, so Dask arrays are checked by the same rules."""
+    check_core_dims(q, k, v)
+    dtype = common_dtype(q.dtype, k.dtype, v.dtype, name=NAME)
+    check_mask_bias_dtypes(mask, bias)
+    n, d = q.shape[-2:]
+    m, e = v.shape[-2:]
+    return broadcast_batch(q, k, v, mask, bias, n, m), n, m, d, e, dtype
 
 
 # ----------------------------------------------------------------------------------------------------------------
