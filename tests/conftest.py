@@ -54,7 +54,8 @@ def missing_tools() -> list:
     except Exception as exc:  # no CuPy, or no NVRTC library
         missing.append(f"NVRTC through CuPy ({type(exc).__name__}: {exc}); pip install -e '.[test,cuda12]'")
     for module, what in (("torch", "PyTorch, for the cuflash.torch adapter's tests"),
-                         ("transformers", "transformers, for the adapter's tests inside real models")):
+                         ("transformers", "transformers, for the adapter's tests inside real models"),
+                         ("distributed", "dask and distributed, for cuflash.dask's tests")):
         if importlib.util.find_spec(module) is None:
             missing.append(f"{what} (pip install -e '.[test]'; it pins torch's CPU build)")
     return missing

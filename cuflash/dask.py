@@ -1,0 +1,267 @@
+"""cuflash.dask: attention over Dask arrays, on Dask's own schedulers (threads, processes, dask.distributed).
+
+The graph is FlashAttention's split of the key axis, one level up: each (query chunk, key chunk) pair that the
+visibility leaves anything to see is one task calling cuflash.attention on its chunks, giving a partial output and
+logsumexp; the parts of a query chunk merge by their logsumexps (cuflash.merge) in a tree of split_every parts
+per task. Batch chunks are independent; a chunk broadcast along a batch axis (a size-1 head axis of k and v) is
+the same input of every task that uses it, never copied. Each task holds its chunks and one (query chunk, e)
+output at most: the n x m scores never exist, not even per chunk pair.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import dask
+import dask.array as da
+import numpy as np
+from dask.array.core import common_blockdim
+from dask.array.utils import meta_from_array
+from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
+
+from . import api
+from .dtypes import acc_dtype_of
+from .merging import array_module, merge
+from .problem import Window
+
+NAME = "cuflash.dask.attention"
+
+
+def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None, return_lse=False,
+              backend=None, block=None, split_every: Optional[int] = None):
+    """cuflash.attention on Dask arrays (any operand may also be a NumPy or CuPy array): lazy, returns a Dask
+    array (and the lse with return_lse=True) chunked as q along the query axis, and along each batch axis as the
+    common refinement of the operands' chunks there.
+
+    The keywords are cuflash.attention's (no out=: a Dask array is never written in place), with the same
+    meaning, plus split_every: how many partial results of a query chunk one merge task takes (default Dask's
+    config "split_every", else 4). Key chunks that the window or causal= hide from a whole query chunk make no
+    task. The head dims d and e are rechunked to one chunk each, the key axis of v, mask and bias to k's chunks,
+    and the query axis of mask and bias to q's. Each task runs the backend its chunks' type picks (NumPy chunks:
+    numpy, CuPy chunks: cupy) unless backend= forces one."""
+    return_lse = api.check_flag(return_lse, "return_lse")
+    operands = [as_dask(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (bias, "bias"))]
+    batch, n, m, d, e, dtype = api.core_sizes(*operands)
+    settings = dict(scale=api.check_scale(scale, d), backend=backend, block=block)
+    chunked = Chunked.of(operands, batch)
+    graph = Graph(chunked, n, m, api.visibility_window(window, causal), settings, merge_fan_in(split_every))
+    out, lse = graph.arrays(dtype)
+    return (out, lse) if return_lse else out
+
+
+def as_dask(x, name):
+    """x as a Dask array with known chunk sizes (None stays None)."""
+    if x is None:
+        return None
+    api.refuse_masked_array(x, name)
+    if not isinstance(x, da.Array):
+        x = da.asarray(x)
+    if any(np.isnan(size) for size in x.shape):
+        raise ValueError(f"{NAME}: {name} has unknown chunk sizes (shape {x.shape}); call "
+                         f"{name}.compute_chunk_sizes() first, or give it known chunks")
+    return x
+
+
+def merge_fan_in(split_every):
+    fan_in = dask.config.get("split_every", 4) if split_every is None else split_every
+    if isinstance(fan_in, (bool, np.bool_)) or not isinstance(fan_in, (int, np.integer)) or fan_in < 2:
+        raise ValueError(f"{NAME}: split_every must be an int of at least 2 (partial results per merge task), "
+                         f"got {fan_in!r}")
+    return int(fan_in)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Operands chunked to match
+
+
+class Chunked:
+    """q, k, v, mask, bias with the batch rank padded by size-1 axes and chunks that line up: batch axes as one
+    common chunking (an operand of size 1 on an axis keeps its one chunk and is broadcast), the query axis as q's,
+    the key axis as k's, d and e whole."""
+
+    def __init__(self, operands, batch, batch_chunks):
+        self.q, self.k, self.v, self.mask, self.bias = operands
+        self.batch = batch
+        self.batch_chunks = batch_chunks
+
+    @classmethod
+    def of(cls, operands, batch):
+        operands = [None if x is None else pad_batch(x, len(batch)) for x in operands]
+        present = [x for x in operands if x is not None]
+        batch_chunks = tuple(common_blockdim([x.chunks[a] for x in present if x.shape[a] == size]) if size != 1
+                             else (1,) for a, size in enumerate(batch))
+        q, k, v, mask, bias = operands
+        rows, cols = q.chunks[-2], k.chunks[-2]
+        aligned = [rechunk(q, batch_chunks, rows, (q.shape[-1],)), rechunk(k, batch_chunks, cols, (k.shape[-1],)),
+                   rechunk(v, batch_chunks, cols, (v.shape[-1],))]
+        aligned += [None if x is None else rechunk(x, batch_chunks, rows, cols) for x in (mask, bias)]
+        return cls(aligned, batch, batch_chunks)
+
+    @property
+    def present(self) -> List[Any]:
+        return [x for x in (self.q, self.k, self.v, self.mask, self.bias) if x is not None]
+
+    def block_indices(self):
+        return itertools.product(*(range(len(chunks)) for chunks in self.batch_chunks))
+
+    def key(self, x, batch_index, row, col):
+        """x's chunk for a batch block, query chunk `row` and key chunk `col` (q: col is its d chunk 0; k, v:
+        row is theirs): index 0 along each axis x broadcasts."""
+        if x is None:
+            return None
+        index = tuple(i if x.shape[a] != 1 else 0 for a, i in enumerate(batch_index))
+        last = [row if len(x.chunks[-2]) > 1 else 0, col if len(x.chunks[-1]) > 1 else 0]
+        return (x.name,) + index + tuple(last)
+
+    def block_batch_shape(self, batch_index):
+        return tuple(chunks[i] for chunks, i in zip(self.batch_chunks, batch_index))
+
+
+def pad_batch(x, rank):
+    """x with leading size-1 axes up to `rank` batch axes (a mask or bias of fewer than 2 dims padded to 2)."""
+    core = max(2, x.ndim) - x.ndim
+    missing = rank + 2 - (x.ndim + core)
+    return x[(None,) * (missing + core)] if missing + core else x
+
+
+def rechunk(x, batch_chunks, rows, cols):
+    """x rechunked to the batch chunks on its non-broadcast axes, `rows` (if it has that many rows) and `cols`."""
+    target = [chunks if x.shape[a] != 1 else (1,) for a, chunks in enumerate(batch_chunks)]
+    target += [rows if x.shape[-2] == sum(rows) else x.chunks[-2], cols if x.shape[-1] == sum(cols) else x.chunks[-1]]
+    return x.rechunk(tuple(target))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The graph
+
+
+class Graph:
+    """Tasks per batch block and query chunk: one per visible key chunk, a tree of merges, and the result."""
+
+    def __init__(self, chunked: Chunked, n: int, m: int, window: Window, settings: Dict[str, Any], fan_in: int):
+        self.c, self.n, self.m, self.window, self.settings, self.fan_in = chunked, n, m, window, settings, fan_in
+        token = tokenize(*chunked.present, n, m, window, settings, fan_in)
+        self.parts_name = f"cuflash-attention-parts-{token}"
+        self.out_name = f"cuflash-attention-{token}"
+        self.lse_name = f"cuflash-attention-lse-{token}"
+        self.parts: Dict[Any, Any] = {}
+        self.pairs = 0  # (query chunk, key chunk) tasks, over all batch blocks
+
+    def arrays(self, dtype):
+        """The out and lse Dask arrays of this graph."""
+        outs, lses = {}, {}
+        rows = self.c.q.chunks[-2]
+        for b in self.c.block_indices():
+            for i, (start, size) in enumerate(zip(offsets(rows), rows)):
+                result = self.result_of(b, i, start, size, dtype)
+                outs[(self.out_name,) + b + (i, 0)] = (operator.getitem, result, 0)
+                lses[(self.lse_name,) + b + (i,)] = (operator.getitem, result, 1)
+        graph = self.high_level_graph(outs, lses)
+        e = self.c.v.shape[-1]
+        acc = acc_dtype_of(dtype)
+        meta = self.c.q._meta
+        out = da.Array(graph, self.out_name, self.c.batch_chunks + (rows, (e,)),
+                       meta=meta_from_array(meta, len(self.c.batch) + 2, dtype=dtype))
+        lse = da.Array(graph, self.lse_name, self.c.batch_chunks + (rows,),
+                       meta=meta_from_array(meta, len(self.c.batch) + 1, dtype=acc))
+        return out, lse
+
+    def result_of(self, b, i, start, size, dtype):
+        """The key of (out, lse) for batch block b and query chunk i: its parts merged, cast to dtype."""
+        parts = self.visible_parts(b, i, start, size)
+        if not parts:
+            shape = self.c.block_batch_shape(b) + (size,)
+            key = (self.parts_name, "hidden") + b + (i,)
+            task = functools.partial(hidden_rows, shape=shape, e=self.c.v.shape[-1], dtype=dtype)
+            self.parts[key] = (task, self.c.key(self.c.q, b, i, 0))
+            return key
+        level = 0
+        while len(parts) > 1:
+            groups = [parts[g:g + self.fan_in] for g in range(0, len(parts), self.fan_in)]
+            parts = []
+            for g, group in enumerate(groups):
+                if len(group) == 1:  # carried up a level as it is
+                    parts.append(group[0])
+                    continue
+                key = (self.parts_name, f"merge-{level}") + b + (i, g)
+                self.parts[key] = (merge_parts, group)
+                parts.append(key)
+            level += 1
+        key = (self.parts_name, "result") + b + (i,)
+        self.parts[key] = (functools.partial(finish, dtype=dtype), parts[0])
+        return key
+
+    def visible_parts(self, b, i, start, size):
+        """One task per key chunk that some query of rows [start, start + size) sees."""
+        first, last = self.window.key_range(start, start + size, self.n, self.m)
+        keys = []
+        cols = self.c.k.chunks[-2]
+        for j, (col, width) in enumerate(zip(offsets(cols), cols)):
+            if size == 0 or width == 0 or col + width <= first or col >= last:
+                continue
+            key = (self.parts_name, "pair") + b + (i, j)
+            sides = self.local_window(start, size, col, width)
+            c = self.c
+            # constants go in a partial: a tuple among a task's arguments could read as a key or a task
+            task = functools.partial(attend_pair, window=sides, settings=self.settings)
+            self.parts[key] = (task, c.key(c.q, b, i, 0), c.key(c.k, b, j, 0), c.key(c.v, b, j, 0),
+                               c.key(c.mask, b, i, j), c.key(c.bias, b, i, j))
+            keys.append(key)
+            self.pairs += 1
+        return keys
+
+    def local_window(self, start, size, col, width) -> Optional[Tuple[Optional[int], Optional[int]]]:
+        """The window of the global one seen from a chunk pair (rows from `start`, keys from `col`), or None
+        when it hides nothing there: key j' is visible to query i' when j - i = (col + j') - (start + i') lies in
+        the global band [m - n - left, m - n + right]."""
+        if self.window.tile_fully_visible(start, start + size, col, col + width, self.n, self.m):
+            return None
+        shift = (self.m - self.n) - (width - size) + start - col
+        left, right = self.window.left, self.window.right
+        return (None if left is None else left - shift, None if right is None else right + shift)
+
+    def high_level_graph(self, outs, lses):
+        inputs = self.c.present
+        graph = HighLevelGraph.merge(*[x.__dask_graph__() for x in inputs])
+        layers = dict(graph.layers)
+        dependencies = dict(graph.dependencies)
+        layers[self.parts_name] = self.parts
+        dependencies[self.parts_name] = {x.name for x in inputs}
+        for name, layer in ((self.out_name, outs), (self.lse_name, lses)):
+            layers[name] = layer
+            dependencies[name] = {self.parts_name}
+        return HighLevelGraph(layers, dependencies)
+
+
+def offsets(chunks):
+    return itertools.accumulate((0,) + tuple(chunks[:-1]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tasks
+
+
+def attend_pair(q, k, v, mask, bias, window, settings):
+    """(out, lse) of a query chunk over one key chunk, out in the accumulation type for the merges."""
+    from .api import attention  # the front door: this module never reaches past it
+    out, lse = attention(q, k, v, mask=mask, bias=bias, window=window, return_lse=True, **settings)
+    return out.astype(lse.dtype, copy=False), lse
+
+
+def merge_parts(parts):
+    return merge([out for out, _ in parts], [lse for _, lse in parts])
+
+
+def finish(part, dtype):
+    out, lse = part
+    return out.astype(dtype, copy=False), lse
+
+
+def hidden_rows(q, shape, e, dtype):
+    """A query chunk that sees no key: output 0 and lse -inf, as attention gives, in q's array module."""
+    xp = array_module([q])
+    return xp.zeros(shape + (e,), dtype=dtype), xp.full(shape, -np.inf, dtype=acc_dtype_of(dtype))
