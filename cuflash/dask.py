@@ -46,6 +46,8 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     return_lse = api.check_flag(return_lse, "return_lse")
     operands = [as_dask(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (bias, "bias"))]
     batch, n, m, d, e, dtype = api.core_sizes(*operands)
+    xp = api.array_module(*(None if x is None else x._meta for x in operands))  # NumPy and CuPy chunks never mix
+    api.check_bfloat16_support(xp, [x.dtype for x in operands if x is not None])
     settings = dict(scale=api.check_scale(scale, d), backend=backend, block=block)
     chunked = Chunked.of(operands, batch)
     graph = Graph(chunked, n, m, api.visibility_window(window, causal), settings, merge_fan_in(split_every))

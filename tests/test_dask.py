@@ -161,6 +161,8 @@ def test_errors_say_what_was_wrong():
         cd.attention(q, q, q, mask=da.ones((4, 4)))
     with pytest.raises(TypeError, match="out"):
         cd.attention(q, q, q, out=np.empty((4, 8)))
+    with pytest.raises(TypeError, match="must be a boolean array"):
+        cd.attention(q, q, q, mask=np.ones((4, 4), dtype=np.int8))
     with pytest.raises(TypeError, match="masked array"):
         cd.attention(np.ma.masked_array(np.ones((4, 8))), q, q)
 
