@@ -108,8 +108,14 @@ def classify(ins: Instr) -> str:
 TERMINATORS = {"EXIT", "RET", "BPT", "KILL"}
 
 
+def is_jump(ins: Instr) -> bool:
+    """BRA, JMP, and CALL.REL.NOINC: a call that pushes no return address, which the compiler uses as a loop's
+    exit branch (on sm_80, a loop that ends in an unconditional BRA back leaves by one)."""
+    return ins.base in ("BRA", "JMP") or ins.op.startswith("CALL.REL.NOINC")
+
+
 def branch_target(ins: Instr) -> Optional[int]:
-    if ins.base not in ("BRA", "JMP"):
+    if not is_jump(ins):
         return None
     found = re.findall(r"0x([0-9a-f]+)", ins.args)
     return int(found[-1], 16) if found else None
@@ -118,7 +124,7 @@ def branch_target(ins: Instr) -> Optional[int]:
 def falls_through(ins: Instr) -> bool:
     """Whether execution may go on to the next instruction: not after an unconditional jump or exit."""
     conditional = bool(ins.pred) or ".DIV" in ins.op or re.match(r"!?U?P\d", ins.args or "")
-    return conditional or (ins.base not in ("BRA", "JMP", "BRX") and ins.base not in TERMINATORS)
+    return conditional or (not is_jump(ins) and ins.base != "BRX" and ins.base not in TERMINATORS)
 
 
 # ----------------------------------------------------------------------------------------------------------------

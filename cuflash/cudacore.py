@@ -43,16 +43,16 @@ def buckets(shape: Shape, config: BlockConfig) -> Tuple[int, int]:
 
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
-    """Dynamic shared memory of one block: the Q, K, V tiles in the element type (rows padded to an odd number of
-    32-bit words) and P in the accumulator type; each region 16-byte aligned. Mirrors ForwardShared."""
+    """Dynamic shared memory of one block: the Q, K, V tiles in the element type (Q and K rows padded by 16 bytes,
+    to an odd number of 16-byte chunks) and P in the accumulator type (rows padded by 16 bytes); each region
+    16-byte aligned. Mirrors ForwardShared."""
     item = shape.dtype.itemsize
     acc = acc_dtype_of(shape.dtype).itemsize
     D, E = buckets(shape, config)
-    pad = 4 // item if item < 4 else 1
-    q = align16(item * config.Br * (D + pad))
-    k = align16(item * config.Bc * (D + pad))
+    q = align16(item * config.Br * D + 16 * config.Br)
+    k = align16(item * config.Bc * D + 16 * config.Bc)
     v = align16(item * config.Bc * E)
-    p = align16(acc * config.Br * (config.Bc + 1))
+    p = align16(acc * config.Br * config.Bc + 16 * config.Br)
     return q + k + v + p
 
 

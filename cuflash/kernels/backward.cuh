@@ -31,7 +31,7 @@ namespace cuflash {
 template <typename T, int Br, int Bc, int D, int E, bool KeysOwn>
 struct BackwardShared {
     using Acc = typename AccOf<T>::type;
-    static constexpr int kPad = ForwardShared<T, Br, Bc, D, E>::kPad;
+    static constexpr int kPad = word_pad<T>();
     static constexpr int LDD = D + kPad, LDE = E + kPad;
     static constexpr int Queries = Br, Rows = KeysOwn ? Bc : Br, LDP = (KeysOwn ? Br : Bc) + 1;
     static constexpr size_t q_offset = 0;

@@ -2,7 +2,8 @@
 // of one batch item, sweeping the visible key/value tiles of Bc rows through shared memory.
 //
 // Thread layout: TC = 16 consecutive lanes share a row group of RPT query rows; lane tx owns score columns
-// tx, tx + 16, ... of the key tile and output columns tx, tx + 16, ... of e. So S (RPT x Bc/16 per thread), the
+// tx, tx + 16, ... of the key tile (16 different K rows per load) and output columns tx * EPT ... tx * EPT + EPT - 1
+// of e (one run of V's row per load). So S (RPT x Bc/16 per thread), the
 // running max m_i, the running sum l_i and the unnormalized O_i (RPT x E/16 per thread) live in registers; only the
 // probabilities P pass through shared memory, to be read by rows for P.V. No score ever goes to global memory.
 //
@@ -21,20 +22,47 @@ constexpr int kLanesPerRow = 16;  // TC
 
 __host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// Row paddings. One 32-bit word makes a row pitch an odd number of words, so 16 lanes reading 16 rows at one
+// column with scalar loads hit 16 banks; 16 bytes makes it an odd number of 16-byte chunks, the same for 16-byte
+// loads (D is a multiple of 16, so D elements are an even number of chunks).
+template <typename T> __host__ __device__ constexpr int word_pad() { return sizeof(T) < 4 ? 4 / (int)sizeof(T) : 1; }
+template <typename T> __host__ __device__ constexpr int chunk_pad() { return 16 / (int)sizeof(T); }
+
 // Shared memory of one block, all dynamic. cuflash/cudacore.py's shared-memory model mirrors this layout exactly.
+// Q, K and P are read in 16-byte chunks along their rows, V along its rows too (each lane's output columns).
 template <typename T, int Br, int Bc, int D, int E>
 struct ForwardShared {
     using Acc = typename AccOf<T>::type;
-    // Row padding makes the row pitch an odd number of 32-bit words, so the 16 lanes reading 16 different K rows
-    // at one column hit 16 different banks.
-    static constexpr int kPad = sizeof(T) < 4 ? 4 / (int)sizeof(T) : 1;
-    static constexpr int LDQ = D + kPad, LDK = D + kPad, LDV = E, LDP = Bc + 1;
+    static constexpr int LDQ = D + chunk_pad<T>(), LDK = D + chunk_pad<T>(), LDV = E, LDP = Bc + chunk_pad<Acc>();
     static constexpr size_t q_offset = 0;
     static constexpr size_t k_offset = q_offset + align16(sizeof(T) * Br * LDQ);
     static constexpr size_t v_offset = k_offset + align16(sizeof(T) * Bc * LDK);
     static constexpr size_t p_offset = v_offset + align16(sizeof(T) * Bc * LDV);
     static constexpr size_t bytes = p_offset + align16(sizeof(Acc) * Br * LDP);
 };
+
+// Count consecutive elements of shared memory at p (aligned to their total size when that is 4, 8 or a multiple
+// of 16 bytes) as accumulator values, in the widest loads that allow: 16-byte loads where the row is read in
+// chunks, one 8- or 4-byte load for a narrower run.
+template <int Bytes> struct Run;  // the vector type of one load of Bytes bytes
+template <> struct Run<16> { using type = uint4; };
+template <> struct Run<8> { using type = uint2; };
+template <> struct Run<4> { using type = unsigned int; };
+template <> struct Run<2> { using type = unsigned short; };
+
+template <int Count, typename T, typename Acc>
+__device__ __forceinline__ void load_run(const T* p, Acc (&out)[Count]) {
+    constexpr int Bytes = Count * (int)sizeof(T);
+    constexpr int Step = Bytes % 16 == 0 ? 16 : (Bytes == 8 || Bytes == 4) ? Bytes : (int)sizeof(T);
+    constexpr int PerStep = Step / (int)sizeof(T);
+#pragma unroll
+    for (int s = 0; s < Count / PerStep; ++s) {
+        const typename Run<Step>::type run = *reinterpret_cast<const typename Run<Step>::type*>(p + s * PerStep);
+        const T* parts = reinterpret_cast<const T*>(&run);
+#pragma unroll
+        for (int t = 0; t < PerStep; ++t) out[s * PerStep + t] = to_acc(parts[t]);
+    }
+}
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, bool Split = false>
 __global__ void __launch_bounds__(Warps * 32, 1)
@@ -106,17 +134,22 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 load_tile<T, Bc, E, Smem::LDV, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
                                                         ops.v.col, cols, (int)e, flags & kVectorV);
             __syncthreads();
-#pragma unroll 2
-            for (int x = 0; x < width; ++x) {
-                Acc q_x[RPT], k_x[CPT];
+            // A 16-byte chunk of each of the thread's Q rows and K rows feeds V * RPT * CPT FMAs (columns past
+            // width are zero in both tiles).
+            constexpr int V = 16 / (int)sizeof(T);
+#pragma unroll 1  // a body of V * RPT * CPT FMAs is work enough; one copy keeps registers and code small
+            for (int x = 0; x < width; x += V) {
+                Acc q_x[RPT][V], k_x[CPT][V];
 #pragma unroll
-                for (int a = 0; a < RPT; ++a) q_x[a] = to_acc(Q_s[(ty * RPT + a) * Smem::LDQ + x]);
+                for (int a = 0; a < RPT; ++a) load_run<V>(&Q_s[(ty * RPT + a) * Smem::LDQ + x], q_x[a]);
 #pragma unroll
-                for (int c = 0; c < CPT; ++c) k_x[c] = to_acc(K_s[(tx + TC * c) * Smem::LDK + x]);
+                for (int c = 0; c < CPT; ++c) load_run<V>(&K_s[(tx + TC * c) * Smem::LDK + x], k_x[c]);
 #pragma unroll
-                for (int a = 0; a < RPT; ++a)
+                for (int t = 0; t < V; ++t)
 #pragma unroll
-                    for (int c = 0; c < CPT; ++c) S[a][c] += q_x[a] * k_x[c];
+                    for (int a = 0; a < RPT; ++a)
+#pragma unroll
+                        for (int c = 0; c < CPT; ++c) S[a][c] += q_x[a][t] * k_x[c][t];
             }
         }
 
@@ -171,21 +204,27 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         }
         __syncthreads();
 
-        // O_i += P_ij V_j; on partial tiles hidden keys are skipped by selection.
-#pragma unroll 2
-        for (int j = 0; j < cols; ++j) {
-            Acc p_j[RPT], v_j[EPT];
+        // O_i += P_ij V_j, a 16-byte chunk of each P row at a time; each lane owns EPT adjacent output columns,
+        // read from V_j's row in one run. On partial tiles hidden keys are skipped by selection (keys past cols
+        // are hidden there, and their V rows zero).
+        constexpr int VP = 16 / (int)sizeof(Acc);
+#pragma unroll 1
+        for (int j = 0; j < cols; j += VP) {
+            Acc p_j[RPT][VP];
 #pragma unroll
-            for (int a = 0; a < RPT; ++a) p_j[a] = P_s[(ty * RPT + a) * Smem::LDP + j];
+            for (int a = 0; a < RPT; ++a) load_run<VP>(&P_s[(ty * RPT + a) * Smem::LDP + j], p_j[a]);
 #pragma unroll
-            for (int c = 0; c < EPT; ++c) v_j[c] = to_acc(V_s[j * Smem::LDV + tx + TC * c]);
+            for (int t = 0; t < VP; ++t) {
+                Acc v_j[EPT];
+                load_run<EPT>(&V_s[(j + t) * Smem::LDV + tx * EPT], v_j);
 #pragma unroll
-            for (int a = 0; a < RPT; ++a)
+                for (int a = 0; a < RPT; ++a)
 #pragma unroll
-                for (int c = 0; c < EPT; ++c) {
-                    const Acc o = O_i[a][c] + p_j[a] * v_j[c];
-                    O_i[a][c] = (partial && p_j[a] < Acc(0)) ? O_i[a][c] : o;
-                }
+                    for (int c = 0; c < EPT; ++c) {
+                        const Acc o = O_i[a][c] + p_j[a][t] * v_j[c];
+                        O_i[a][c] = (partial && p_j[a][t] < Acc(0)) ? O_i[a][c] : o;
+                    }
+            }
         }
     }
 
@@ -198,7 +237,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         const bool nothing_visible = l_i[a] == Acc(0);
 #pragma unroll
         for (int c = 0; c < EPT; ++c) {
-            const int col = tx + TC * c;
+            const int col = tx * EPT + c;
             if (col < e)
                 out[ops.base.of[kOut] + i * ops.out.row + col * ops.out.col] =
                     from_acc<O>(nothing_visible ? Acc(0) : O_i[a][c] / l_i[a]);

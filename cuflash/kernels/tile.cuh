@@ -111,9 +111,13 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
             const int r = idx / (Cols / V), c = (idx % (Cols / V)) * V;
             if (r < rows && c + V <= cols) {
                 const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(src + r * row_stride + c);
-                const T* parts = reinterpret_cast<const T*>(&chunk);
+                if constexpr (LD * sizeof(T) % 16 == 0) {  // 16-byte aligned rows take the chunk in one store
+                    *reinterpret_cast<Chunk16*>(dst + r * LD + c) = chunk;
+                } else {
+                    const T* parts = reinterpret_cast<const T*>(&chunk);
 #pragma unroll
-                for (int t = 0; t < V; ++t) dst[r * LD + c + t] = parts[t];
+                    for (int t = 0; t < V; ++t) dst[r * LD + c + t] = parts[t];
+                }
             } else {
 #pragma unroll
                 for (int t = 0; t < V; ++t)
