@@ -13,14 +13,22 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = ("fast", "memcheck", "race")
+MODES = ("fast", "memcheck", "race", "profile")
 
 _MODE_FLAGS = {
     "fast": ["-O2"],
     # -O1 keeps reports readable and builds quick; frame pointers give ASan's fast unwinder whole stacks.
     "memcheck": ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer", "-DCUFLASH_SIMT_MEMCHECK"],
     "race": ["-O1", "-g", "-fsanitize=thread", "-fno-omit-frame-pointer", "-DCUFLASH_SIMT_RACE"],
+    # ThreadSanitizer's instrumentation without its runtime: every load and store calls a hook that
+    # runtime/profile.h defines. -O1 vectorizes nothing, so each access keeps the width the source gives it;
+    # -g maps the hooks' return addresses to source lines.
+    "profile": ["-O1", "-g", "-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0",
+                "-DCUFLASH_SIMT_PROFILE"],
 }
+# Linked after the source. The profile build leaves out g++'s default libraries, which with -fsanitize=thread
+# would bring libtsan (it must be preloaded to load at all), and names the ones it needs.
+_MODE_LINK = {"profile": ["-nodefaultlibs", "-lstdc++", "-lm", "-lgcc_s", "-lgcc", "-lc", "-ldl"]}
 # Kernels pun types (uint4 loads of halves, float bits as int): g++ must not assume strict aliasing.
 # Hidden visibility and no STB_GNU_UNIQUE keep each module's kernels and statics its own, even when two
 # modules instantiate the same template. -fstack-clash-protection probes every page of a large frame in
@@ -124,7 +132,7 @@ def build(tu: str, mode: str, options=(), display_name: str = "kernel.cu") -> Pa
         lib = Path(tmp) / "module.so"
         # Debug info names the kernel source relative to the build directory, not this process's cwd.
         cmd = (shlex.split(cxx) + ([f"-I{pch}"] if pch else []) + flags +
-               [f"-fdebug-prefix-map={tmp}=.", str(src), "-o", str(lib)])
+               [f"-fdebug-prefix-map={tmp}=.", str(src), "-o", str(lib)] + _MODE_LINK.get(mode, []))
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if r.returncode != 0:
             raise CompileError(f"g++ could not compile {display_name} (mode {mode}):\n{r.stderr.strip()}")

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _build, _source
+from . import _build, _profile, _source
 from ._build import CompileError
 
 H100_SHARED = 232448  # bytes of dynamic shared memory a block may opt into on an H100/H200 (227 KiB)
@@ -191,8 +191,9 @@ class RawModule:
     """The emulator's twin of ``cupy.RawModule``: the same CUDA C++ source, options and name expressions,
     compiled by g++ for the CPU.
 
-    Beyond CuPy's arguments: ``mode`` ("fast", "memcheck" with AddressSanitizer or "race" with ThreadSanitizer;
-    default $CUFLASH_SIMT_MODE or "fast"), ``seed`` (the schedule: "forward", "reverse" or an int for a random
+    Beyond CuPy's arguments: ``mode`` ("fast", "memcheck" with AddressSanitizer, "race" with ThreadSanitizer or
+    "profile", which counts each launch's memory requests into ``Function.last_profile``; default
+    $CUFLASH_SIMT_MODE or "fast"), ``seed`` (the schedule: "forward", "reverse" or an int for a random
     order; default $CUFLASH_SIMT_SEED or "forward"), ``workers`` (OS threads running blocks; default
     $CUFLASH_SIMT_WORKERS or the CPU count), ``max_dynamic_shared`` (the emulated device's per-block limit),
     ``stack_size`` (bytes per CUDA thread) and ``filename`` (the name messages give the source)."""
@@ -252,6 +253,9 @@ class Function:
         self.signature = tuple(sig.split(",")) if sig else ()
         self.num_args = len(self.signature)
         self._max_dynamic = DEFAULT_DYNAMIC_SHARED
+        # Profile mode: the counts of the last launch, and of every launch since profiles was last cleared.
+        self.last_profile: _profile.Profile | None = None
+        self.profiles: list[_profile.Profile] = []
 
     @property
     def max_dynamic_shared_size_bytes(self) -> int:
@@ -285,12 +289,18 @@ class Function:
         order, seed_value = _resolve_schedule(seed if seed is not None else self.module.seed)
         nworkers = workers or self.module.workers or int(os.environ.get("CUFLASH_SIMT_WORKERS", 0)) or os.cpu_count() or 1
         err = ctypes.create_string_buffer(8192)
+        profiling = self.module.mode == "profile"
+        if profiling:
+            _profile.name_arrays(self.module._lib, args)
         rc = self.module._lib.cuflash_simt_launch(
             self._index, argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
             self.module.max_dynamic_shared, order, seed_value, nworkers, self.module.stack_size, err, len(err))
         _keep_stacks_of(str(self.module.library_path), self.module._lib)
         if rc:
             raise LaunchError(err.value.decode(errors="replace"))
+        if profiling:
+            self.last_profile = _profile.read(self.module._lib, str(self.module.library_path), self.name)
+            self.profiles.append(self.last_profile)
 
 
 def _dims(v, what, name):

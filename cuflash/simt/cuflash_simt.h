@@ -9,7 +9,8 @@
 // reaches, a deadlock, __trap, a failed assert) ends the launch with a message, never a hang or a crash.
 //
 // Build macros (set by the Python side): CUFLASH_SIMT_MEMCHECK (AddressSanitizer build), CUFLASH_SIMT_RACE
-// (ThreadSanitizer build), CUFLASH_SIMT_FTZ (flush float32 denormals, like CuPy's -ftz=true).
+// (ThreadSanitizer build), CUFLASH_SIMT_PROFILE (the profile build: ThreadSanitizer's instrumentation, the hooks
+// of runtime/profile.h), CUFLASH_SIMT_FTZ (flush float32 denormals, like CuPy's -ftz=true).
 //
 // The runtime itself lives in runtime/, one file per section, included below in the order they rely on.
 #ifndef CUFLASH_SIMT_H
@@ -27,6 +28,7 @@
 #include "runtime/atomics.h"
 #include "runtime/fibers.h"
 #include "runtime/state.h"
+#include "runtime/profile.h"
 #include "runtime/collectives.h"
 #include "runtime/shared_memory.h"
 #include "runtime/cp_async.h"

@@ -61,6 +61,9 @@ inline void barrier_arrive(const char* file, int line, int vote) {
     race_switch(f->tsan);
     race_drop(b.bar_sync);
 #endif
+#if defined(CUFLASH_SIMT_PROFILE)
+    prof_barrier(b, file, line);  // every thread is here: the interval's requests are complete
+#endif
     release_all(b);
   }
   switch_away(f);
@@ -98,6 +101,10 @@ inline void warp_collective(const Collective* op, unsigned mask, void* data, con
   unsigned bit = 1u << f->lane;
   if (!(mask & bit) || (mask & ~w.present) || (mask & w.exited)) collective_misuse(op, mask, file, line);
   void* sync = nullptr;
+#if defined(CUFLASH_SIMT_PROFILE)
+  // ldmatrix's row address is the first member of ptx.cuh's per-lane record, as race mode reads it below.
+  if (!std::strncmp(op->name, "ldmatrix", 8)) prof_ldmatrix(op->name, *(void* const*)data, file, line);
+#endif
 #if defined(CUFLASH_SIMT_RACE)
   // ldmatrix reads 16 bytes of shared memory at each lane's row address (the first member of ptx.cuh's
   // per-lane record): check it as that lane's read. Bad addresses are left to run_ldmatrix's messages.

@@ -98,6 +98,9 @@ __attribute__((noinline)) inline void cp_async(void* dst, const void* src, int s
   if (void* bad = __asan_region_is_poisoned(const_cast<void*>(src), (size_t)src_size)) __asan_report_load_n(bad, 1);
   if (void* bad = __asan_region_is_poisoned(dst, (size_t)size)) __asan_report_store_n(bad, 1);
 #endif
+#if defined(CUFLASH_SIMT_PROFILE)
+  prof_cp_async(dst, src, size, src_size, file, line);
+#endif
   CpLand land = LAND_AT_WAIT;
   if (b.launch->order == Order::random) land = (CpLand)(splitmix64(b.cp_rng) % 3);
   CpAsync c{dst, src, size, src_size, f->cp_committed, file, line, __builtin_return_address(0), nullptr, land,

@@ -68,6 +68,9 @@ inline void run_worker(Launch& L) {
     }
   }
   set_mxcsr(saved_mxcsr);
+#if defined(CUFLASH_SIMT_PROFILE)
+  prof_worker_end(b);
+#endif
   tl = Worker{};
   sigaltstack(&old_alt, nullptr);
   std::free(dyn);
@@ -106,6 +109,10 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
 #if defined(CUFLASH_SIMT_RACE)
   L.race_end = std::malloc(1);
 #endif
+#if defined(CUFLASH_SIMT_PROFILE)
+  ProfLaunch profile;
+  prof_launch_begin(L, profile);
+#endif
   install_overflow_handler();
 #if defined(CUFLASH_SIMT_ASAN)
   __asan_set_error_report_callback(asan_context);  // one callback per process: the launching module's
@@ -120,6 +127,9 @@ inline int launch(const KernelEntry& k, void** args, const unsigned* grid, const
   __tsan_acquire(L.race_end);  // the host reads the outputs after every block
   race_drop(L.race_end);
   race_retire(L, 0);
+#endif
+#if defined(CUFLASH_SIMT_PROFILE)
+  prof_launch_end(profile);
 #endif
   if (!L.failed) return 0;
   std::snprintf(err, (size_t)errlen, "%s", L.error.c_str());
@@ -172,6 +182,30 @@ template <class... P> inline const char* signature_of(void (*)(P...)) {
 
 }  // namespace cuflash_simt
 
+// Profile mode: Python names the launch's argument arrays (global memory) before it, reads its rows after it.
+#if defined(CUFLASH_SIMT_PROFILE)
+#define CUFLASH_SIMT_PROFILE_EXPORTS                                                                   \
+  extern "C" __attribute__((visibility("default"))) void cuflash_simt_profile_arrays(                  \
+      const unsigned long long* lohi, int n) {                                                         \
+    auto& v = ::cuflash_simt::prof_pending_arrays();                                                   \
+    v.clear();                                                                                         \
+    for (int i = 0; i < n; i++) v.emplace_back((uintptr_t)lohi[2 * i], (uintptr_t)lohi[2 * i + 1]);    \
+  }                                                                                                    \
+  extern "C" __attribute__((visibility("default"))) int cuflash_simt_profile_rows(                     \
+      ::cuflash_simt::ProfRow* out, int max) {                                                         \
+    const auto& rows = ::cuflash_simt::prof_last();                                                    \
+    for (int i = 0; i < max && i < (int)rows.size(); i++) {                                           \
+      const auto& s = rows[(size_t)i].first;                                                           \
+      const auto& c = rows[(size_t)i].second;                                                          \
+      out[i] = {::cuflash_simt::prof_offset(s.pc), s.file, s.line, s.kind, s.space, c.requests,         \
+                c.wavefronts, c.ideal, c.sectors, c.bytes, c.barriers, c.warps};                       \
+    }                                                                                                  \
+    return (int)rows.size();                                                                           \
+  }
+#else
+#define CUFLASH_SIMT_PROFILE_EXPORTS
+#endif
+
 // The C interface Python calls through ctypes, over the generated table of kernels.
 #define CUFLASH_SIMT_EXPORT_TABLE(table)                                                               \
   extern "C" __attribute__((visibility("default"))) int cuflash_simt_count() {                         \
@@ -192,6 +226,7 @@ template <class... P> inline const char* signature_of(void (*)(P...)) {
       unsigned long long stack, char* err, unsigned long long errlen) {                                \
     return ::cuflash_simt::launch(table[i], args, grid, block, dyn, limit, order, seed, workers, stack, \
                                   err, errlen);                                                        \
-  }
+  }                                                                                                    \
+  CUFLASH_SIMT_PROFILE_EXPORTS
 
 #endif  // CUFLASH_SIMT_RUNTIME_LAUNCH_H

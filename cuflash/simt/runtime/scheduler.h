@@ -58,11 +58,15 @@ inline void fiber_main(void* arg) {
   Launch& L = *f->block->launch;
 #if defined(CUFLASH_SIMT_RACE)
   race_ignore_end();  // created with its count at 1: from here on, the kernel's accesses are checked
+#elif defined(CUFLASH_SIMT_PROFILE)
+  f->prof_ignores = 0;  // from here on, the kernel's accesses are recorded
 #endif
   try {
     L.entry(L.args);
 #if defined(CUFLASH_SIMT_RACE)
     race_ignore_begin();
+#elif defined(CUFLASH_SIMT_PROFILE)
+    f->prof_ignores = 1;
 #endif
   } catch (const std::exception& e) {
     fail_here("a C++ exception escaped the kernel: %s", e.what());
@@ -219,6 +223,9 @@ inline void run_block(Block& b, StackSet& stacks) {
     st.poison_lo = top;
 #endif
     f.block = &b;
+#if defined(CUFLASH_SIMT_PROFILE)
+    f.prof_ignores = 1;
+#endif
     f.linear = i;
     f.lane = i % 32;
     f.tid = uint3{i % L.block.x, (i / L.block.x) % L.block.y, i / (L.block.x * L.block.y)};
@@ -245,6 +252,9 @@ inline void run_block(Block& b, StackSet& stacks) {
     race_switch(tl.tsan_sched);
 #endif
   }
+#if defined(CUFLASH_SIMT_PROFILE)
+  prof_block_begin(b);
+#endif
   release_all(b);
   // Fibers switch among themselves; control comes back here when none is ready or the block failed.
   while (!b.failed) {
@@ -269,6 +279,10 @@ inline void run_block(Block& b, StackSet& stacks) {
   // Copies that no wait covered (a failed block's): their windows close, so that no poison outlives the block
   // on shared memory the next block or launch reuses.
   for (Fiber& f : b.fibers) cp_drop_all(f);
+#if defined(CUFLASH_SIMT_PROFILE)
+  tl.fiber = nullptr;  // the counting below is the runtime's
+  prof_block_end(b);
+#endif
 #if defined(CUFLASH_SIMT_ASAN)
   // Every fiber's call chain at its last switch (exited or abandoned) lies above its saved stack pointer;
   // frames below it returned and cleared their own shadow. 256 bytes cover the x86-64 red zone.

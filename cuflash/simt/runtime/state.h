@@ -70,6 +70,9 @@ struct Fiber {
   void* tsan_landed = nullptr;  // race mode: the copy fiber releases it, the thread acquires it at the wait
   unsigned long long copy_named = ~0ull;  // the block the copy fiber's name was last set for
   int tsan_ignores = 0;  // its ignore count (TSan refuses to destroy a fiber whose count is not 0)
+#if defined(CUFLASH_SIMT_PROFILE)
+  int prof_ignores = 1;  // profile mode: 0 only while it runs kernel code (whose accesses are recorded)
+#endif
 };
 
 struct Launch {
@@ -88,6 +91,7 @@ struct Launch {
   std::string error;
   void* race_end = nullptr;  // race mode: every fiber releases it at block end; the launch acquires it last
   std::deque<void*> race_retired;  // race mode: finished blocks' TSan fibers, oldest first (see race_retire)
+  void* prof = nullptr;  // profile mode: the launch's counts (ProfLaunch)
 };
 
 struct Block {
@@ -110,6 +114,7 @@ struct Block {
   bool failed = false;
   std::string error;
   void* bar_sync = nullptr;  // race mode: the open barrier's happens-before object
+  void* prof = nullptr;  // profile mode: the block's open requests (ProfBlock)
 };
 
 struct StackSet;
@@ -178,6 +183,15 @@ struct RaceKernelAccess {
   RaceKernelAccess() { race_ignore_end(); }
   ~RaceKernelAccess() { race_ignore_begin(); }
 };
+#elif defined(CUFLASH_SIMT_PROFILE)
+// Profile mode: the runtime's accesses are not the kernel's memory traffic (the hooks skip them while the
+// running fiber's count is not 0; a fiber is always inside the runtime when it is switched out).
+struct ProfRuntimeScope {
+  Fiber* f;
+  ProfRuntimeScope() : f(tl.fiber) { if (f) f->prof_ignores++; }
+  ~ProfRuntimeScope() { if (f) f->prof_ignores--; }
+};
+#define CUFLASH_SIMT_RUNTIME_SCOPE ::cuflash_simt::ProfRuntimeScope cuflash_simt_runtime_scope_
 #else
 #define CUFLASH_SIMT_RUNTIME_SCOPE (void)0
 #endif
