@@ -23,7 +23,7 @@ import contextlib
 import json
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -139,9 +139,166 @@ def table(rows: Sequence[dict], lines: int) -> str:
             out.append("  " + "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in
                                         enumerate(zip(c, widths))))
         out.append(f"  bank conflicts: {t['conflicts']} of {t['wavefronts']} shared wavefronts (loads "
-                   f"{t['shared_load_conflicts']}, stores {t['shared_store_conflicts']}; ldmatrix "
-                   f"{t['ldsm_conflicts']} in {t['ldsm_requests']} requests)\n")
+                   f"{t['shared_load_conflicts']}, stores {t['shared_store_conflicts']}, ldmatrix "
+                   f"{t['ldsm_conflicts']} in {t['ldsm_requests']} requests, cp.async {t['cp_async_conflicts']})\n")
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Nsight Compute beside the emulator (a machine with a CUDA GPU)
+
+# (what, Nsight Compute's metric, the emulator's total it compares with). Metrics this ncu does not know are left
+# out of its run and said so.
+NCU_METRICS = (
+    ("shared load instructions (LDS)", "smsp__sass_inst_executed_op_shared_ld.sum", "shared_load_requests"),
+    ("shared store instructions (STS)", "smsp__sass_inst_executed_op_shared_st.sum", "shared_store_requests"),
+    ("ldmatrix instructions (LDSM)", "smsp__sass_inst_executed_op_ldsm.sum", "ldsm_requests"),
+    ("shared load wavefronts (LDS + LDSM)", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+     "shared_load_wavefronts+ldsm_wavefronts"),
+    ("shared store wavefronts", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum", "shared_store_wavefronts"),
+    ("shared load bank conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+     "shared_load_conflicts+ldsm_conflicts"),
+    ("shared store bank conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+     "shared_store_conflicts"),
+    ("global load requests", "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", "global_load_requests"),
+    ("global load sectors", "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", "global_load_sectors"),
+    ("global store requests", "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum", "global_store_requests"),
+    ("global store sectors", "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum", "global_store_sectors"),
+    ("cp.async requests (LDGSTS)", "l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum", "cp_async_global_requests"),
+    ("cp.async sectors", "l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum", "cp_async_global_sectors"),
+    ("barrier instructions (per warp)", "smsp__inst_executed_op_barrier.sum", "barrier_warps"),
+)
+
+
+def emulator_value(totals: dict, key: str) -> int:
+    return sum(totals[k] for k in key.split("+"))
+
+
+def run_on_gpu(dtype: str, d: int, n: int, m: int, causal: bool, block, kind: str) -> int:
+    """The process ncu profiles: the same problem on the cupy backend, the second call between
+    cudaProfilerStart and cudaProfilerStop (the first compiles)."""
+    import cupy
+
+    q, k, v, dout = (cupy.asarray(x) for x in inputs(dtype, d, n, m))
+
+    def call():
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, backend="cupy", block=block)
+        if kind in ("backward", "all"):
+            cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy", block=block)
+        cupy.cuda.Device().synchronize()
+
+    call()
+    cupy.cuda.profiler.start()
+    call()
+    cupy.cuda.profiler.stop()
+    return 0
+
+
+def ncu_known(ncu: str) -> Optional[set]:
+    """The base metric names this ncu can collect on this GPU, or None when it cannot say."""
+    import subprocess
+
+    done = subprocess.run([ncu, "--query-metrics", "--csv"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    return {line.split(",")[0].strip('"') for line in done.stdout.splitlines()[1:]}
+
+
+def parse_ncu(text: str, metrics: Sequence[str]) -> Dict[str, Dict[str, float]]:
+    """Per kernel name, each metric summed over its launches, from ncu's CSV (--csv --print-units base)."""
+    import csv
+    import io
+
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        raise ValueError("no CSV table in ncu's output")
+    found: Dict[str, Dict[str, float]] = {}
+    for r in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        if r.get("Metric Name") in metrics:
+            per = found.setdefault(r.get("Kernel Name", "?"), {})
+            value = float(r["Metric Value"].replace(",", "") or 0)
+            per[r["Metric Name"]] = per.get(r["Metric Name"], 0.0) + value
+    return found
+
+
+def matching(kernel: str, measured: Dict[str, Dict[str, float]]) -> Optional[Dict[str, float]]:
+    """The ncu kernel whose demangled name holds the plan's name expression (spaces aside)."""
+    want = "".join(kernel.split())
+    for name, values in measured.items():
+        if want in "".join(name.split()):
+            return values
+    return None
+
+
+def ncu_compare(args, block, dtypes, dims, n, m, kind, out_dir: str) -> int:
+    """Run the emulator's profile and ncu's on the same problems; write profile.json and profile.md into out_dir."""
+    import shutil
+    import subprocess
+
+    os.makedirs(out_dir, exist_ok=True)
+    rows = run(dtypes, dims, n, m, args.causal, block, kind)
+    ncu = shutil.which("ncu")
+    notes: List[str] = []
+    metrics = [metric for _, metric, _ in NCU_METRICS]
+    if ncu is None:
+        notes.append("ncu is not on PATH: the emulator's counts only")
+    else:
+        known = ncu_known(ncu)
+        if known is not None:
+            missing = [x for x in metrics if x.rsplit(".", 1)[0] not in known]
+            if missing:
+                notes.append("this ncu does not know " + ", ".join(missing) + ": left out")
+            metrics = [x for x in metrics if x not in missing]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    for dtype in dtypes:
+        for d in dims:
+            if ncu is None or not metrics:
+                continue
+            cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(metrics), "--csv", "--print-units",
+                   "base", sys.executable, "-m", "bench.emulator_profile", "--on-gpu", "--dtype", dtype, "--d",
+                   str(d), "--n", str(n), "--m", str(m), "--kind", kind] + (["--causal"] if args.causal else []) + \
+                  (["--block", args.block] if args.block else [])
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.ncu_timeout)
+            stem = os.path.join(out_dir, f"ncu_{dtype}_d{d}")
+            with open(stem + ".csv", "w") as f:
+                f.write(done.stdout)
+            with open(stem + ".log", "w") as f:
+                f.write(done.stderr)
+            try:
+                measured = parse_ncu(done.stdout, metrics)
+            except ValueError as exc:
+                notes.append(f"{dtype} d = {d}: {exc} (exit {done.returncode}); see {os.path.basename(stem)}.log")
+                continue
+            for r in rows:
+                if r["dtype"] == dtype and r["d"] == d:
+                    r["ncu"] = matching(r["kernel"], measured)
+    with open(os.path.join(out_dir, "profile.json"), "w") as f:
+        json.dump({"schema": SCHEMA, "model": MODEL, "ncu_metrics": [list(x) for x in NCU_METRICS],
+                   "notes": notes, "rows": rows}, f, indent=1)
+    text = ncu_markdown(rows, notes)
+    with open(os.path.join(out_dir, "profile.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if ncu is None or all(r.get("ncu") for r in rows) else 1
+
+
+def ncu_markdown(rows: Sequence[dict], notes: Sequence[str]) -> str:
+    out = ["Shared-memory wavefronts, bank conflicts, global sectors and barriers: Nsight Compute beside the "
+           "emulator's counts", ""]
+    for r in rows:
+        out += [f"{short_name(r['kernel'])} ({r['kind']}, {r['dtype']}, d = {r['d']}, n = {r['n']}, m = {r['m']})",
+                "", "| what | ncu metric | ncu | emulator |", "|---|---|---|---|"]
+        measured = r.get("ncu") or {}
+        for what, metric, key in NCU_METRICS:
+            value = measured.get(metric)
+            shown = "-" if value is None else f"{value:.0f}"
+            emulator = emulator_value(r["totals"], key) if "totals" in r else "-"
+            out.append(f"| {what} | `{metric}` | {shown} | {emulator} |")
+        out.append("")
+    out += [f"- {note}" for note in notes]
+    return "\n".join(out) + "\n"
 
 
 def run(dtypes, head_dims, n, m, causal, block, kind) -> List[dict]:
@@ -160,22 +317,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--n", type=int, default=128, help="queries (default 128)")
     parser.add_argument("--m", type=int, default=128, help="keys (default 128)")
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--block", type=parse_block, help="force the kernels: mma, fma or BrxBc")
+    parser.add_argument("--block", help="force the kernels: mma, fma or BrxBc")
     parser.add_argument("--kind", choices=("forward", "backward", "all"), default="forward")
     parser.add_argument("--lines", type=int, default=15, help="source lines shown per kernel (default 15)")
     parser.add_argument("--json", help="write every kernel's counts, all its lines, to this file")
     parser.add_argument("--tiny", action="store_true", help="CI mode: the float16 forward, d = 32, n = m = 64")
+    parser.add_argument("--ncu", metavar="DIR", help="GPU: Nsight Compute's metrics beside the emulator's counts, "
+                                                     "into DIR/profile.md and profile.json")
+    parser.add_argument("--ncu-timeout", type=float, default=120.0, help="seconds per ncu run (default 120)")
+    parser.add_argument("--on-gpu", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     args = parser.parse_args(argv)
+    block = parse_block(args.block) if args.block else None
     from cuflash import simt
 
-    if not simt.available():
+    if not simt.available() and not args.on_gpu:
         print(f"emulator_profile: {simt.unavailable_reason()}", file=sys.stderr)
         return 2
     if args.tiny:
         dtypes, dims, n, m, kind = ["float16"], [32], 64, 64, "forward"
     else:
         dtypes, dims, n, m, kind = args.dtype or ["float16", "float32"], args.d or [64], args.n, args.m, args.kind
-    rows = run(dtypes, dims, n, m, args.causal, args.block, kind)
+    if args.on_gpu:
+        return run_on_gpu(dtypes[0], dims[0], n, m, args.causal, block, kind)
+    if args.ncu:
+        return ncu_compare(args, block, dtypes, dims, n, m, kind, args.ncu)
+    rows = run(dtypes, dims, n, m, args.causal, block, kind)
     print("Emulator counts (the SIMT emulator's profile mode, not a GPU's)\n")
     print(table(rows, args.lines))
     if args.json:

@@ -107,26 +107,22 @@ class Profile:
         return sorted(rows, key=lambda r: (-r.traffic, r.file, r.line))
 
     def totals(self) -> dict:
-        shared = [a for a in self.accesses if a.space == "shared"]
-        glob = [a for a in self.accesses if a.space == "global"]
-        return {
-            "shared_requests": sum(a.requests for a in shared),
-            "wavefronts": sum(a.wavefronts for a in shared),
-            "ideal": sum(a.ideal for a in shared),
-            "conflicts": sum(a.conflicts for a in shared),
-            "ldsm_requests": sum(a.requests for a in shared if a.op == "ldsm"),
-            "ldsm_conflicts": sum(a.conflicts for a in shared if a.op == "ldsm"),
-            "shared_load_conflicts": sum(a.conflicts for a in shared if a.op in ("ld", "ldsm")),
-            "shared_store_conflicts": sum(a.conflicts for a in shared if a.op in ("st", "cp.async")),
-            "global_requests": sum(a.requests for a in glob),
-            "global_load_requests": sum(a.requests for a in glob if a.op in ("ld", "cp.async")),
-            "global_load_sectors": sum(a.sectors for a in glob if a.op in ("ld", "cp.async")),
-            "global_store_requests": sum(a.requests for a in glob if a.op == "st"),
-            "global_store_sectors": sum(a.sectors for a in glob if a.op == "st"),
-            "sectors": sum(a.sectors for a in glob),
-            "barriers": sum(a.barriers for a in self.accesses),
-            "barrier_warps": sum(a.warps for a in self.accesses),
-        }
+        """Sums over the kernel, also by kind: what Nsight Compute's per-kernel metrics count."""
+        def total(field: str, op: Optional[str] = None, space: str = "shared") -> int:
+            return sum(getattr(a, field) for a in self.accesses if a.space == space and op in (None, a.op))
+
+        result = {key: total(key) for key in ("wavefronts", "ideal", "conflicts")}
+        result["shared_requests"] = total("requests")
+        for op, name in (("ld", "shared_load"), ("st", "shared_store"), ("ldsm", "ldsm"), ("cp.async", "cp_async")):
+            result.update({f"{name}_requests": total("requests", op), f"{name}_wavefronts": total("wavefronts", op),
+                           f"{name}_conflicts": total("conflicts", op)})
+        result.update(global_requests=total("requests", space="global"), sectors=total("sectors", space="global"))
+        for op, name in (("ld", "global_load"), ("st", "global_store"), ("atom", "global_atom"),
+                         ("cp.async", "cp_async_global")):
+            result.update({f"{name}_requests": total("requests", op, "global"),
+                           f"{name}_sectors": total("sectors", op, "global")})
+        result.update(barriers=total("barriers", space=""), barrier_warps=total("warps", space=""))
+        return result
 
     def __add__(self, other: "Profile") -> "Profile":
         merged: Dict[tuple, Access] = {a.key: a for a in self.accesses}
