@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one script to run on a machine with a CUDA GPU: the environment, the GPU tests, the PTX hardware check,
-# the demo, a short benchmark sweep, the backward beside torch's and ncu's DRAM bytes beside the model. Each step
-# has a time limit and the whole stays under 8 minutes; a failing step does not stop the others.
+# the demo, a short benchmark sweep, the backward beside torch's, ncu's DRAM bytes beside the model, and ncu's
+# shared-memory wavefronts, bank conflicts, global sectors and barriers beside the emulator's profile of the same
+# forward kernels (n = m = 128, d = 64). Each step has a time limit and the whole stays under 8 minutes; a failing
+# step does not stop the others.
 #
 #   bench/device_check.sh [DIR]             # everything into DIR (default bench/results/<date>)
 #   bench/device_check.sh --dry-run [DIR]   # print the steps and their limits, run nothing
@@ -111,14 +113,19 @@ steps() {
     step env 25 bash -c environment
     step tests 120 "$PY" -m pytest "${PYTEST_ARGS[@]}" --ignore="$HARDWARE_TEST" --junitxml="$DIR/tests.xml" tests
     if [ -f "$HARDWARE_TEST" ] || [ "$DRY" = 1 ]; then
-        step tests-ptx 40 "$PY" -m pytest "${PYTEST_ARGS[@]}" --junitxml="$DIR/tests-ptx.xml" "$HARDWARE_TEST"
+        step tests-ptx 30 "$PY" -m pytest "${PYTEST_ARGS[@]}" --junitxml="$DIR/tests-ptx.xml" "$HARDWARE_TEST"
     else
         record tests-ptx - 0 "skipped: $HARDWARE_TEST does not exist yet"
     fi
     step demo 30 "$PY" -m cuflash
-    step sweep 120 "$PY" -m bench.attention --preset short --time-limit 85 --out "$DIR/sweep"
+    step sweep 95 "$PY" -m bench.attention --preset short --time-limit 60 --out "$DIR/sweep"
     step backward 60 "$PY" -m bench.backward --gpu --repeats 5 --out "$DIR/backward"
-    step ncu 80 "$PY" -m bench.attention --ncu --ncu-timeout 35 --out "$DIR/ncu"
+    step ncu 70 "$PY" -m bench.attention --ncu --ncu-timeout 30 --out "$DIR/ncu"
+    if command -v ncu >/dev/null 2>&1 || [ "$DRY" = 1 ]; then
+        step profile 50 "$PY" -m bench.emulator_profile --ncu "$DIR/profile" --ncu-timeout 30
+    else
+        record profile - 0 "skipped: ncu is not on PATH (python -m bench.emulator_profile gives the emulator's side)"
+    fi
 }
 
 if [ "$DRY" = 1 ]; then
@@ -153,6 +160,7 @@ fi
         for n in "${NOTES[@]}"; do echo "- NOTE: $n"; done
     fi
     [ -f "$DIR/ncu/ncu.md" ] && { echo; cat "$DIR/ncu/ncu.md"; }
+    [ -f "$DIR/profile/profile.md" ] && { echo; cat "$DIR/profile/profile.md"; }
 } > "$DIR/summary.md"
 echo; cat "$DIR/summary.md"
 

@@ -174,23 +174,25 @@ def emulator_value(totals: dict, key: str) -> int:
     return sum(totals[k] for k in key.split("+"))
 
 
-def run_on_gpu(dtype: str, d: int, n: int, m: int, causal: bool, block, kind: str) -> int:
-    """The process ncu profiles: the same problem on the cupy backend, the second call between
+def run_on_gpu(dtypes, dims, n: int, m: int, causal: bool, block, kind: str) -> int:
+    """The process ncu profiles: each problem on the cupy backend, the second call of each between
     cudaProfilerStart and cudaProfilerStop (the first compiles)."""
     import cupy
 
-    q, k, v, dout = (cupy.asarray(x) for x in inputs(dtype, d, n, m))
+    for dtype in dtypes:
+        for d in dims:
+            q, k, v, dout = (cupy.asarray(x) for x in inputs(dtype, d, n, m))
 
-    def call():
-        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, backend="cupy", block=block)
-        if kind in ("backward", "all"):
-            cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy", block=block)
-        cupy.cuda.Device().synchronize()
+            def call():
+                out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, backend="cupy", block=block)
+                if kind in ("backward", "all"):
+                    cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="cupy", block=block)
+                cupy.cuda.Device().synchronize()
 
-    call()
-    cupy.cuda.profiler.start()
-    call()
-    cupy.cuda.profiler.stop()
+            call()
+            cupy.cuda.profiler.start()
+            call()
+            cupy.cuda.profiler.stop()
     return 0
 
 
@@ -252,28 +254,24 @@ def ncu_compare(args, block, dtypes, dims, n, m, kind, out_dir: str) -> int:
             metrics = [x for x in metrics if x not in missing]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    for dtype in dtypes:
-        for d in dims:
-            if ncu is None or not metrics:
-                continue
-            cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(metrics), "--csv", "--print-units",
-                   "base", sys.executable, "-m", "bench.emulator_profile", "--on-gpu", "--dtype", dtype, "--d",
-                   str(d), "--n", str(n), "--m", str(m), "--kind", kind] + (["--causal"] if args.causal else []) + \
-                  (["--block", args.block] if args.block else [])
+    if ncu is not None and metrics:  # one run for every problem: one CUDA context, one NVRTC warm-up
+        problem = [f"--{flag}={value}" for flag, values in (("dtype", dtypes), ("d", dims)) for value in values]
+        cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(metrics), "--csv", "--print-units", "base",
+               sys.executable, "-m", "bench.emulator_profile", "--on-gpu", *problem, "--n", str(n), "--m", str(m),
+               "--kind", kind] + (["--causal"] if args.causal else []) + (["--block", args.block] if args.block else [])
+        try:
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.ncu_timeout)
-            stem = os.path.join(out_dir, f"ncu_{dtype}_d{d}")
-            with open(stem + ".csv", "w") as f:
+            with open(os.path.join(out_dir, "ncu.csv"), "w") as f:
                 f.write(done.stdout)
-            with open(stem + ".log", "w") as f:
+            with open(os.path.join(out_dir, "ncu.log"), "w") as f:
                 f.write(done.stderr)
-            try:
-                measured = parse_ncu(done.stdout, metrics)
-            except ValueError as exc:
-                notes.append(f"{dtype} d = {d}: {exc} (exit {done.returncode}); see {os.path.basename(stem)}.log")
-                continue
+            measured = parse_ncu(done.stdout, metrics)
             for r in rows:
-                if r["dtype"] == dtype and r["d"] == d:
-                    r["ncu"] = matching(r["kernel"], measured)
+                r["ncu"] = matching(r["kernel"], measured)
+        except subprocess.TimeoutExpired:
+            notes.append(f"ncu took more than {args.ncu_timeout:.0f} s")
+        except ValueError as exc:
+            notes.append(f"{exc} (exit {done.returncode}); see ncu.log")
     with open(os.path.join(out_dir, "profile.json"), "w") as f:
         json.dump({"schema": SCHEMA, "model": MODEL, "ncu_metrics": [list(x) for x in NCU_METRICS],
                    "notes": notes, "rows": rows}, f, indent=1)
@@ -338,7 +336,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         dtypes, dims, n, m, kind = args.dtype or ["float16", "float32"], args.d or [64], args.n, args.m, args.kind
     if args.on_gpu:
-        return run_on_gpu(dtypes[0], dims[0], n, m, args.causal, block, kind)
+        return run_on_gpu(dtypes, dims, n, m, args.causal, block, kind)
     if args.ncu:
         return ncu_compare(args, block, dtypes, dims, n, m, kind, args.ncu)
     rows = run(dtypes, dims, n, m, args.causal, block, kind)

@@ -330,11 +330,12 @@ def test_device_check_dry_run_lists_the_steps(tmp_path):
     done = run(["bash", str(DEVICE_CHECK), "--dry-run", str(out)])
     assert done.returncode == 0, done.stderr
     steps = [line.split()[0] for line in done.stdout.splitlines()[1:]]
-    assert steps == ["env", "tests", "tests-ptx", "demo", "sweep", "backward", "ncu"]
+    assert steps == ["env", "tests", "tests-ptx", "demo", "sweep", "backward", "ncu", "profile"]
     limits = [int(line.split()[1].rstrip("s")) for line in done.stdout.splitlines()[1:]]
     assert sum(limits) <= 480  # the whole stays under 8 minutes
     assert "-m gpu" in done.stdout and "--preset short" in done.stdout and "--ncu" in done.stdout
     assert "-m bench.backward --gpu" in done.stdout
+    assert "-m bench.emulator_profile --ncu" in done.stdout
     assert not out.exists()
 
 
