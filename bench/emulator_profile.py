@@ -66,11 +66,20 @@ def planned(dtype: str, d: int, n: int, m: int, block, kind: str) -> List[tiling
     return plans
 
 
+def aligned(x: np.ndarray, boundary: int = 256) -> np.ndarray:
+    """x copied to a `boundary`-byte boundary, as cudaMalloc places arrays (NumPy only promises 16 bytes): the
+    sectors a request touches depend on it."""
+    raw = np.empty(x.nbytes + boundary, np.uint8)
+    skip = -raw.ctypes.data % boundary
+    out = raw[skip:skip + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
+
+
 def inputs(dtype: str, d: int, n: int, m: int):
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, n, d)).astype(DTYPES[dtype])
-    k, v = (rng.standard_normal((1, m, d)).astype(DTYPES[dtype]) for _ in range(2))
-    return q, k, v, rng.standard_normal((1, n, d)).astype(DTYPES[dtype])
+    shapes = ((1, n, d), (1, m, d), (1, m, d), (1, n, d))  # q, k, v, dout
+    return tuple(aligned(rng.standard_normal(shape).astype(DTYPES[dtype])) for shape in shapes)
 
 
 def run_problem(dtype: str, d: int, n: int, m: int, causal: bool, block, kind: str) -> List[dict]:
