@@ -22,9 +22,9 @@ SPACES = ("shared", "global", "")  # ProfSpace's order
 class _Row(ctypes.Structure):
     """ProfRow of runtime/profile.h."""
     _fields_ = [("pc", ctypes.c_ulonglong), ("file", ctypes.c_char_p), ("line", ctypes.c_int),
-                ("kind", ctypes.c_int), ("space", ctypes.c_int)] + \
-               [(name, ctypes.c_ulonglong) for name in
-                ("requests", "wavefronts", "ideal", "sectors", "bytes", "barriers", "warps")]
+                ("kind", ctypes.c_int), ("space", ctypes.c_int), ("requests", ctypes.c_ulonglong),
+                ("wavefronts", ctypes.c_ulonglong), ("ideal", ctypes.c_ulonglong), ("sectors", ctypes.c_ulonglong),
+                ("bytes", ctypes.c_ulonglong), ("barriers", ctypes.c_ulonglong), ("warps", ctypes.c_ulonglong)]
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,15 @@ def array_ranges(args: Sequence) -> np.ndarray:
     lohi = []
     for a in args:
         if isinstance(a, np.ndarray) and a.size:
-            lo, hi = np.lib.array_utils.byte_bounds(a) if hasattr(np.lib, "array_utils") else np.byte_bounds(a)
+            lo, hi = _byte_bounds(a)
             lohi += [lo, hi]
     return np.array(lohi or [0, 0], dtype=np.uint64)
+
+
+def _byte_bounds(a: np.ndarray) -> Tuple[int, int]:
+    """NumPy 2 moved byte_bounds to numpy.lib.array_utils."""
+    utils = getattr(np.lib, "array_utils", None)
+    return (utils.byte_bounds if utils is not None else getattr(np, "byte_bounds"))(a)
 
 
 def name_arrays(lib, args: Sequence) -> None:
