@@ -307,8 +307,24 @@ def cheapest_path(code: Sequence[Instr], loop: Loop, cost: Dict[int, Tally], gro
     return counts if counts is not None else _cheapest(code, loop, cost, groups, set(), products)
 
 
-def _cheapest(code, loop, cost, groups, avoid, products):
+def unrolled_copies_path(code: Sequence[Instr], loop: Loop, cost: Dict[int, Tally], copies: int):
+    """The cheapest path that runs no inner loop but passes at least `copies` 16-byte global loads of its own
+    (cp.async or LDG): a full tile's loads unrolled, the other way a tile may take its loads. None when no path
+    does."""
+    inner = {i for child in loop.children for i in range(child.head, child.end + 1)}
+    products = [i for i in range(loop.head, loop.end + 1) if i not in inner and classify(code[i]) == "tensor"]
+    avoid = {child.head for child in loop.children}
+    return _cheapest(code, loop, cost, [], avoid, products, copies)
+
+
+def is_chunk_load(ins: Instr) -> bool:
+    return classify(ins) in ("global", "cp_async") and ins.op.startswith("LDG") and "128" in ins.op.split(".")
+
+
+def _cheapest(code, loop, cost, groups, avoid, products, copies=0):
+    """With `copies`, groups are none and the state counts the 16-byte loads passed instead (up to `copies`)."""
     nodes = _nodes(code, loop)
+    goal = copies if copies else len(groups)
 
     def skips_a_product(i, j):
         k = bisect.bisect_right(products, i)
@@ -323,12 +339,14 @@ def _cheapest(code, loop, cost, groups, avoid, products):
         if i in avoid:
             continue
         weight = sum(cost[i].values()) if child is not None else 1
-        for k in range(len(groups) + 1):
+        for k in range(goal + 1):
             if (i, k) not in best:
                 continue
             after = best[(i, k)][0] + weight
             k2 = k + 1 if child is not None and stage.get(i) == k else k
-            if latch and k == len(groups) and after < finish[0]:
+            if copies and child is None and is_chunk_load(code[i]):
+                k2 = min(copies, k + 1)
+            if latch and k == goal and after < finish[0]:
                 finish = (after, (i, k))
             for j in succ:
                 if after < best.get((j, k2), (inf,))[0] and not skips_a_product(i, j):
@@ -438,6 +456,7 @@ class LoopReport:
     last: int
     inner: List[dict]
     notes: List[str]
+    loads: str = "loops"  # how the path takes the tile's loads: through its load loops, or "unrolled"
 
 
 def iteration(code: Sequence[Instr], loop: Loop) -> Tally:
@@ -474,10 +493,16 @@ def analyze(sass: str, plan) -> LoopReport:
                       "step": step.name if step else None, "required": child in candidates,
                       "iteration": sum(once.values()), "trips": trip, "trip_count": how})
     path = cheapest_path(code, loop, cost, groups)
+    chunks = sum(s.work for s in wanted if s.unit == "chunks")
+    unrolled = unrolled_copies_path(code, loop, cost, chunks) if chunks else None
+    loads = "loops"
+    if unrolled is not None and (path is None or sum(unrolled.values()) < sum(path.values())):
+        path, loads = unrolled, "unrolled"
     if path is None:
         notes.append("no path passes every required inner loop: the cheapest path without them")
         path = cheapest_path(code, loop, cost, [])
-    return LoopReport(path, span_tally(code, loop, trips), code[loop.head].addr, code[loop.end].addr, inner, notes)
+    return LoopReport(path, span_tally(code, loop, trips), code[loop.head].addr, code[loop.end].addr, inner, notes,
+                      loads)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -684,7 +709,7 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
         "usage": compiled["usage"], "loop": {"first": f"{loop.first:#x}", "last": f"{loop.last:#x}"},
         "per_tile": {"instructions": total, **path}, "span": {"instructions": sum(span.values()), **span},
         "opcodes": {op: n for (_, op), n in sorted(loop.path.items())},
-        "inner_loops": loop.inner, "notes": loop.notes,
+        "inner_loops": loop.inner, "loads": loop.loads, "notes": loop.notes,
         "work": "tensor" if path["tensor"] else "fma",
         "instructions_per_mma": ratio(total, path["tensor"]), "instructions_per_fma": ratio(total, path["fma"]),
         "ldmatrix_per_mma": ratio(ldsm, path["tensor"]), "shared_loads_per_fma": ratio(lds, path["fma"]),
@@ -764,8 +789,10 @@ METHOD = {
             "instructions",
     "path": "the steady state's tile: the cheapest path from the loop's head through its back edge, each inner loop "
             "an iteration's cheapest path times its trip count; it passes every tensor-core instruction and one copy "
-            "of every load and CUDA-core product loop, and avoids the other (cold) loops where it can; branches are "
-            "taken independently, so it is a lower bound on a tile's instructions",
+            "of every load and CUDA-core product loop, and avoids the other (cold) loops where it can; or, where a full "
+            "tile's loads are unrolled and that is cheaper, no inner loop but as many 16-byte loads of its own as the "
+            "tile's chunks per thread (loads: \"unrolled\"); branches are taken independently, so it is a lower bound "
+            "on a tile's instructions",
     "span": "every instruction compiled inside the loop, inner loops weighted by their trip counts (1 where unknown); "
             "FlashAttention-2's loop is branch-free, so its own count is both",
     "trip_counts": "a step's work per thread (16-byte chunks, elements, rows, FMAs: from the template arguments) "

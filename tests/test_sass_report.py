@@ -146,4 +146,34 @@ def test_tensor_core_forward_counts(tiny):
     [sass] = (out / "sass").glob("*.sass")
     assert not {"LDL", "STL"} & {ins.base for ins in sass_report.parse(sass.read_text())}
     assert [loop["trips"] for loop in row["inner_loops"] if loop["required"]] == [2, 2]
-    assert tile["cp_async"] == 4 and row["notes"] == []
+    assert tile["cp_async"] == 4 and row["notes"] == [] and row["loads"] == "unrolled"
+
+
+# A key-tile loop [0x10, 0x80] whose loads take one of two ways: a load loop [0x20, 0x30] (strided views, short
+# tiles) or two unrolled 16-byte cp.async copies (full tiles).
+UNROLLED = [
+    (0x00, "S2R R0, SR_TID.X"),
+    (0x10, "@P0 BRA 0x40"),
+    (0x20, "LDGSTS.E.BYPASS.128.ZFILL [R2], desc[UR4][R4.64], P1"),
+    (0x30, "@P2 BRA 0x20"),
+    (0x40, "@!P0 BRA 0x70"),
+    (0x50, "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]"),
+    (0x60, "LDGSTS.E.BYPASS.128 [R3+0x1200], desc[UR4][R8.64]"),
+    (0x70, "HMMA.16816.F32 R12, R16, R20, R12"),
+    (0x80, "@P3 BRA 0x10"),
+    (0x90, "EXIT"),
+]
+
+
+def test_unrolled_loads_are_a_way_through_the_tile():
+    text = "\n".join(f"        /*{a:04x}*/{'':19}{ins} ;{'':20}/* 0x000fe20000000f00 */" for a, ins in UNROLLED)
+    code = sass_report.parse(f"\tFunction : _Z6kernelv\n{text}\n")
+    [loop] = sass_report.find_loops(code)
+    [inner] = loop.children
+    cost = {inner.head: sass_report.scaled(sass_report.iteration(code, inner), 2)}
+    through_loop = sass_report.cheapest_path(code, loop, cost, [[inner]])
+    assert sum(through_loop.values()) == 1 + 2 * 2 + 1 + 1 + 1
+    unrolled = sass_report.unrolled_copies_path(code, loop, cost, 2)
+    assert sum(unrolled.values()) == 1 + 1 + 2 + 1 + 1
+    assert classes_of(unrolled)["cp_async"] == 2
+    assert sass_report.unrolled_copies_path(code, loop, cost, 3) is None  # fewer copies than the tile's chunks

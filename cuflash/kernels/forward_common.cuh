@@ -105,6 +105,25 @@ __device__ __forceinline__ bool tile_is_partial(const BlockOperands& ops, long l
            !tile_fully_visible(ops.i0, ops.i0 + ops.rows, j0, j0 + cols, ops.offset, left, right);
 }
 
+__device__ __forceinline__ long long floor_div(long long a, long long b) {  // b > 0
+    return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+// The plain tiles of a sweep, [lo, hi): tile t holds keys [keys.begin + t Bc, + Bc), all Bc of them, each visible
+// to every row of the block's query tile by the window, with neither mask nor bias. They run the steady state,
+// which skips per-element visibility (tile_is_partial is false for each of them, and they carry no bias); the
+// range is worked out once per block, so no tile computes its own. Empty when `allowed` is false.
+struct TileRange { int lo, hi; };
+__device__ __forceinline__ TileRange plain_tiles(const BlockOperands& ops, int Bc, long long left, long long right,
+                                                 bool allowed) {
+    if (!allowed || ops.has_mask || ops.has_bias) return {0, 0};
+    const long long begin = ops.keys.begin, full = (ops.keys.end - begin) / Bc;
+    // tile_fully_visible: j0 >= i1 - 1 + offset - left (from lo on) and j0 + Bc - 1 <= i0 + offset + right (up to hi)
+    const long long lo = max_ll(0, -floor_div(begin - (ops.i0 + ops.rows - 1 + ops.offset - left), Bc));
+    const long long hi = min_ll(full, floor_div(ops.i0 + ops.offset + right - (Bc - 1) - begin, Bc) + 1);
+    return hi > lo ? TileRange{(int)lo, (int)hi} : TileRange{0, 0};
+}
+
 // The output's type: T, or the accumulator's for the partial results of split keys.
 template <typename T, bool Split> struct OutOf { using type = T; };
 template <typename T> struct OutOf<T, true> { using type = typename AccOf<T>::type; };

@@ -82,11 +82,28 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const KeyRange keys = ops.keys;
     const int tiles = (int)((keys.end - keys.begin + Bc - 1) / Bc);
 
-    // K_j and V_j of key tile `tile` into pipeline stage tile % Stages.
+    // K_j and V_j of key tile `tile` into pipeline stage tile % Stages: full tiles of 16-byte rows by each
+    // thread's chunk loaders (tiles in order), others (a short last tile, strided views) by the general copy.
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
+    const int full_tiles = (int)((keys.end - keys.begin) / Bc);
+    const bool chunk_loads = KLoader::kFits && VLoader::kFits && (flags & kVectorK) && (flags & kVectorV) &&
+                             d % mma::kChunk == 0 && e % mma::kChunk == 0;
+    KLoader K_load(k + ops.base.of[kK] + keys.begin * ops.k.row, ops.k.row, (int)d, K_s);
+    VLoader V_load(v + ops.base.of[kV] + keys.begin * ops.v.row, ops.v.row, (int)e, V_s);
+    if (chunk_loads) {
+        K_load.zero_tail(K_s);
+        V_load.zero_tail(V_s);
+    }
     auto load_kv = [&](int tile) {
+        if (chunk_loads && tile < full_tiles) {
+            K_load.next();
+            V_load.next();
+            return;
+        }
+        const int stage = tile % Stages;
         const long long j0 = keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, keys.end - j0);
-        const int stage = tile % Stages;
         mma::load_tile_async<T, Bc, D, Threads>(K_s + stage * Bc * Smem::LDK, k + ops.base.of[kK] + j0 * ops.k.row,
                                                 ops.k.row, ops.k.col, cols, (int)d, flags & kVectorK);
         mma::load_tile_async<T, Bc, E, Threads>(V_s + stage * Bc * Smem::LDV, v + ops.base.of[kV] + j0 * ops.v.row,
@@ -104,18 +121,22 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
     ptx::cp_async_wait<Stages - 1>();
     __syncthreads();
+    // This lane's ldmatrix addresses: Q_i's A fragments, and K_j's and V_j's B fragments in stage 0.
+    const ptx::SharedAddr Q_lane = ptx::shared_addr(Q_s) + (warp_row * Smem::LDQ + mma::a_lane<Smem::LDQ>(lane)) *
+                                                           (int)sizeof(T);
+    ptx::SharedAddr K_j = ptx::shared_addr(K_s + mma::b_nk_lane<Smem::LDK>(lane));  // carried from stage to stage
+    ptx::SharedAddr V_j = ptx::shared_addr(V_s + mma::b_kn_lane<Smem::LDV>(lane));
     unsigned Q_f[kQRegs ? MT : 1][kQRegs ? KD : 1][4];
     if (kQRegs) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk)
-                mma::load_a<Smem::LDQ>(Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0], Q_s, warp_row + 16 * mt, 16 * kk,
-                                       lane);
+                mma::load_a<Smem::LDQ, T>(Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0], Q_lane, 16 * mt, 16 * kk);
     }
 
-    // Running max m_i and (per-lane partial) sum l_i of rows quad_row and quad_row + 8 of each m16 tile, and
-    // the unnormalized O_i in accumulator fragments.
+    // Running max m_i (log2 domain) and (per-lane partial) sum l_i of rows quad_row and quad_row + 8 of each m16
+    // tile, and the unnormalized O_i in accumulator fragments.
     float m_i[MT][2], l_i[MT][2], O_i[MT][ET][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -130,6 +151,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             for (int x = 0; x < 4; ++x) O_i[mt][et][x] = 0.0f;
     }
 
+    // The steady state's tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the
+    // row max of raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
+    const bool positive_scale = scale_log2 > 0.0f && scale_log2 < infinity<float>();
+    const TileRange plain = plain_tiles(ops, Bc, left, right, positive_scale);
+
     for (int tile = 0; tile < tiles; ++tile) {
         // Tile `tile` has landed for every thread, and every warp is done with the stage the next load reuses.
         ptx::cp_async_wait<Stages - 2>();
@@ -137,10 +163,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         if (tile + Stages - 1 < tiles) load_kv(tile + Stages - 1);
         ptx::cp_async_commit();  // possibly empty: keeps the group count the wait above relies on
 
-        const long long j0 = keys.begin + (long long)tile * Bc;
-        const int cols = (int)min_ll(Bc, keys.end - j0);
-        const T* K_j = K_s + (tile % Stages) * Bc * Smem::LDK;
-        const T* V_j = V_s + (tile % Stages) * Bc * Smem::LDV;
+        const int stage = tile % Stages;
 
         // S_ij = Q_i K_j^T.
         float S[MT][NT][4];
@@ -159,13 +182,13 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                     for (int x = 0; x < 4; ++x) a[mt][x] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0][x];
                 } else {
-                    mma::load_a<Smem::LDQ>(a[mt], Q_s, warp_row + 16 * mt, 16 * kk, lane);
+                    mma::load_a<Smem::LDQ, T>(a[mt], Q_lane, 16 * mt, 16 * kk);
                 }
             }
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 unsigned bk[4];
-                mma::load_b_nk<Smem::LDK>(bk, K_j, 16 * np, 16 * kk, lane);
+                mma::load_b_nk<Smem::LDK, T>(bk, K_j, 16 * np, 16 * kk);
                 const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
@@ -175,26 +198,21 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             }
         }
 
-        // Scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and their bits
-        // are kept for the rare CUDA-core P V. Only partial tiles and a bias pay for per-element work: a full
-        // tile without bias is scaled and nothing else (its rows past n, if any, are computed but never stored).
-        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
-        unsigned hidden[MT][2];
-        if (!partial && !ops.has_bias) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                hidden[mt][0] = hidden[mt][1] = 0;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) S[mt][nt][x] *= scale_log2;
-            }
-        } else {
+        // Other tiles: scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and
+        // their bits are kept for the rare CUDA-core P V. Only partial tiles and a bias pay per element.
+        const bool plain_tile = tile >= plain.lo && tile < plain.hi;
+        const float S_scale = plain_tile ? scale_log2 : 1.0f;  // what takes S to the log2 domain
+        unsigned hidden[MT][2] = {};
+        bool partial = false;
+        int cols = Bc;
+        if (!plain_tile) {
+            const long long j0 = keys.begin + (long long)tile * Bc;
+            cols = (int)min_ll(Bc, keys.end - j0);
+            partial = tile_is_partial(ops, j0, cols, Bc, left, right);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    hidden[mt][h] = 0;
                     const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
@@ -215,19 +233,19 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float tile_max = -infinity<float>();
+                float tile_max = fmaxf(S[mt][0][2 * h], S[mt][0][2 * h + 1]);
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 1; nt < NT; ++nt)
                     tile_max = fmaxf(tile_max, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
-                const float m_new = fmaxf(m_i[mt][h], mma::quad_max(tile_max));
+                const float m_new = fmaxf(m_i[mt][h], mma::quad_max(tile_max) * S_scale);
                 const float m_use = m_new == -infinity<float>() ? 0.0f : m_new;  // nothing visible yet
-                const float alpha = exp2f(m_i[mt][h] - m_use);
+                const float alpha = ptx::ex2_approx_ftz(m_i[mt][h] - m_use);
                 float tile_sum = 0.0f;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
-                        const float p = exp2f(S[mt][nt][2 * h + x] - m_use);
+                        const float p = ptx::ex2_approx_ftz(fmaf(S[mt][nt][2 * h + x], S_scale, -m_use));
                         S[mt][nt][2 * h + x] = p;
                         tile_sum += p;
                     }
@@ -241,7 +259,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             }
 
         // A hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look for non-finite values.
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads>(V_j, cols));
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads>(
+                                            V_s + stage * Bc * Smem::LDV, cols));
         if (!careful) {
             // O_i += P_ij V_j: P in registers becomes the A operand, k16 step by k16 step.
 #pragma unroll
@@ -257,7 +276,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                 for (int ep = 0; ep < ET / 2; ++ep) {
                     unsigned bv[4];
-                    mma::load_b_kn<Smem::LDV>(bv, V_j, 16 * kk, 16 * ep, lane);
+                    mma::load_b_kn<Smem::LDV, T>(bv, V_j, 16 * kk, 16 * ep);
                     const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
@@ -267,8 +286,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 }
             }
         } else {
-            mma::pv_by_selection<T, Bc, E, MT>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP, V_j, cols, lane);
+            mma::pv_by_selection<T, Bc, E, MT>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
+                                               V_s + stage * Bc * Smem::LDV, cols, lane);
         }
+        K_j = mma::next_stage<Stages, (int)Smem::k_stage>(K_j, stage);
+        V_j = mma::next_stage<Stages, (int)Smem::v_stage>(V_j, stage);
     }
     ptx::cp_async_wait<0>();
     __syncthreads();  // every warp is done with Q_s (and P_s): O_s takes their place

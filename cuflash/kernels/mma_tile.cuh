@@ -74,8 +74,89 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
     }
 }
 
+// A ring of Stages shared-memory stages Bytes apart: from the address in stage `stage`, the same in the next one.
+// Carried from tile to tile, such an address is never recomputed from the thread's index.
+template <int Stages, int Bytes>
+__device__ __forceinline__ ptx::SharedAddr next_stage(ptx::SharedAddr at, int stage) {
+    return at + (stage == Stages - 1 ? -(Stages - 1) * Bytes : Bytes);
+}
+template <int Stages> __device__ __forceinline__ int next_stage(int stage) {
+    return stage == Stages - 1 ? 0 : stage + 1;
+}
+
+// One thread's share of full tiles (all Rows rows) of 16-byte chunks streamed through Stages shared stages,
+// worked out once for a whole sweep: the thread copies the chunks of one column c in rows r0, r0 + Step, ... (the
+// very chunks load_tile_async gives it: Threads is a multiple of the chunks per row), so its global pointer
+// advances by a tile's rows per call and its shared addresses by a stage. Only whole chunks: the operand's width
+// `cols` is a multiple of 8 (and the copies 16-byte ones: unit column stride, aligned rows, as the launch checked);
+// a thread whose column lies past it copies nothing, its chunks zeroed once in every stage (zero_tail).
+template <typename T, int Rows, int Cols, int Threads, int Stages>
+struct ChunkLoader {
+    static constexpr int LD = Padded<Cols>::ld, ChunksPerRow = Cols / kChunk;
+    static constexpr bool kFits = Threads % ChunksPerRow == 0 && Rows % (Threads / ChunksPerRow) == 0;
+    static constexpr int Step = Threads / ChunksPerRow, PerThread = kFits ? Rows / Step : 0;
+    static constexpr int kStepBytes = Step * LD * (int)sizeof(T), kStageBytes = Rows * LD * (int)sizeof(T);
+    const T* src;               // this thread's first chunk of the next tile
+    long long step, tile_step;  // elements between its chunks, and between tiles
+    ptx::SharedAddr dst;        // where that chunk goes: in stage `stage`
+    int stage;
+    bool active;                // its column lies within the operand's width
+
+    __device__ __forceinline__ ChunkLoader(const T* first_row, long long row_stride, int cols, const T* tile) {
+        const int r = threadIdx.x / ChunksPerRow, c = threadIdx.x % ChunksPerRow * kChunk;
+        active = c < cols;
+        src = first_row + r * row_stride + (active ? c : 0);
+        step = Step * row_stride;
+        tile_step = Rows * row_stride;
+        dst = ptx::shared_addr(tile + r * LD + c);
+        stage = 0;
+    }
+    // Zeros in this thread's chunks of every stage of `tile` when its column is a tail's.
+    __device__ __forceinline__ void zero_tail(T* tile) const {
+        if (active) return;
+        const int r = threadIdx.x / ChunksPerRow, c = threadIdx.x % ChunksPerRow * kChunk;
+        for (int st = 0; st < Stages; ++st)
+            for (int s = 0; s < PerThread; ++s)
+                *reinterpret_cast<Chunk16*>(tile + st * Rows * LD + (r + s * Step) * LD + c) = Chunk16{};
+    }
+    // The next tile's chunks into the next stage, as cp.async copies (they land at the covering wait).
+    __device__ __forceinline__ void next() {
+        if (active) {
+#pragma unroll
+            for (int s = 0; s < PerThread; ++s) ptx::cp_async_cg16_whole(dst + s * kStepBytes, src + s * step);
+        }
+        src += tile_step;
+        dst = next_stage<Stages, kStageBytes>(dst, stage);
+        stage = next_stage<Stages>(stage);
+    }
+};
+
 // ---------------------------------------------------------------------------------------------------------------
-// Fragment loads with ldmatrix.x4: lanes 8j..8j+7 address the rows of 8x8 matrix j.
+// Fragment loads with ldmatrix.x4: lanes 8j..8j+7 address the rows of 8x8 matrix j. Each operand shape has a
+// lane offset (elements from a fragment's corner to the row this lane addresses); with a tile's shared address
+// plus the lane's offset taken once, every fragment's address is that plus a constant.
+template <int LD> __device__ __forceinline__ int a_lane(int lane) {
+    return ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (lane >> 4);
+}
+template <int LD> __device__ __forceinline__ int b_nk_lane(int lane) {
+    return ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
+}
+template <int LD> __device__ __forceinline__ int b_kn_lane(int lane) {
+    return ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (lane >> 4);
+}
+// The fragments at (row0, col0) of a tile whose lane address (tile + the shape's lane offset) is `at`.
+template <int LD, typename T>
+__device__ __forceinline__ void load_a(unsigned (&a)[4], ptx::SharedAddr at, int row0, int col0) {
+    ptx::ldmatrix_x4(a, at + (row0 * LD + col0) * (int)sizeof(T));
+}
+template <int LD, typename T>
+__device__ __forceinline__ void load_b_nk(unsigned (&b)[4], ptx::SharedAddr at, int n0, int k0) {
+    ptx::ldmatrix_x4(b, at + (n0 * LD + k0) * (int)sizeof(T));
+}
+template <int LD, typename T>
+__device__ __forceinline__ void load_b_kn(unsigned (&b)[4], ptx::SharedAddr at, int k0, int n0) {
+    ptx::ldmatrix_x4_trans(b, at + (k0 * LD + n0) * (int)sizeof(T));
+}
 
 // A operand (16 x 16, row-major) at (row0, col0) of a tile: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15),
 // in the order a0..a3 of mma.m16n8k16.

@@ -133,6 +133,40 @@ template <int N, bool Trans> inline void ldmatrix(unsigned* r, const void* row, 
 }  // namespace twin
 #endif  // !__CUDA_ARCH__
 
+// ---- shared-memory addresses ----------------------------------------------------------------------------------
+// A shared-memory address as ldmatrix and cp.async take it: 32 bits in the shared window on the GPU (computed
+// once, it takes a fragment's constant offset into the instruction), the pointer itself in the emulator.
+struct SharedAddr {
+#if defined(__CUDA_ARCH__)
+  unsigned a;
+#else
+  unsigned char* a;
+#endif
+  __device__ __forceinline__ SharedAddr operator+(int bytes) const { return {a + bytes}; }
+};
+__device__ __forceinline__ SharedAddr shared_addr(const void* p) {
+#if defined(__CUDA_ARCH__)
+  return {static_cast<unsigned>(__cvta_generic_to_shared(p))};
+#else
+  return {static_cast<unsigned char*>(const_cast<void*>(p))};
+#endif
+}
+
+// ---- ex2.approx.ftz.f32: 2^x on the MUFU unit, subnormal inputs and results flushed to sign-preserving zero ---
+// (CuPy compiles with -ftz=true, where exp2f is this instruction too; the wrapper makes it independent of flags.)
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float min_normal = 1.17549435e-38f;  // 2^-126
+  if (x != 0.0f && std::fabs(x) < min_normal) x = std::copysign(0.0f, x);
+  const float y = std::exp2(x);
+  return std::fabs(y) < min_normal && y != 0.0f ? std::copysign(0.0f, y) : y;
+#endif
+}
+
 // ---- mma.sync: D = A * B + C with f32 accumulators; A row-major 16 x K, B column-major K x 8 ---------------
 // m16n8k16, f16 or bf16 inputs. A: a[r] holds (row g + 8(r&1), cols 2t + 8(r>>1) + {0,1}); B: b[r] holds
 // (rows 2t + 8r + {0,1}, col g); C/D: c[e] is (row g + 8(e>>1), col 2t + (e&1)).
@@ -165,14 +199,19 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned 
 // ---- ldmatrix.sync.aligned.m8n8.{x1,x2,x4}[.trans].shared.b16 (the kernels use .x4) ----------------------
 // smem_row: this lane's row address (16 bytes, 16-byte aligned, in shared memory); lanes 8j..8j+7 give matrix j's
 // rows (lanes past 8N give addresses the instruction ignores).
+// Each width takes the row address as a SharedAddr or as a pointer.
 #if defined(__CUDA_ARCH__)
 #define CUFLASH_LDMATRIX(NAME, N, TRANS, PTX, OUTS)                                                       \
-  __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* smem_row) {                         \
-    unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));                            \
+  __device__ __forceinline__ void NAME(unsigned (&r)[N], SharedAddr smem_row) {                          \
+    unsigned addr = smem_row.a;                                                                           \
     asm volatile(PTX : OUTS : "r"(addr) : "memory");                                                     \
-  }
+  }                                                                                                       \
+  __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* smem_row) { NAME(r, shared_addr(smem_row)); }
 #else
 #define CUFLASH_LDMATRIX(NAME, N, TRANS, PTX, OUTS)                                                       \
+  __device__ __forceinline__ void NAME(unsigned (&r)[N], SharedAddr smem_row CUFLASH_PTX_CALLER) {      \
+    twin::ldmatrix<N, TRANS>(r, smem_row.a, file, line);                                                  \
+  }                                                                                                       \
   __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* smem_row CUFLASH_PTX_CALLER) {     \
     twin::ldmatrix<N, TRANS>(r, smem_row, file, line);                                                    \
   }
@@ -190,20 +229,37 @@ CUFLASH_LDMATRIX(ldmatrix_x4_trans, 4, true,
 // zero-filled (src_bytes = 0 reads nothing: a masked tail). The bytes may land at any moment until the
 // cp_async_wait that covers the copy's group: the destination is undefined in between, and the emulator reports
 // any access to it there (memcheck and race modes) and lands copies early in seeded schedules.
+// The destination as a SharedAddr or as a pointer.
 #if defined(__CUDA_ARCH__)
 #define CUFLASH_CP_ASYNC(NAME, CACHE, BYTES)                                                               \
-  __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES) {            \
-    unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));                                   \
+  __device__ __forceinline__ void NAME(SharedAddr smem, const void* gmem, int src_bytes = BYTES) {       \
     asm volatile("cp.async." CACHE ".shared.global [%0], [%1], " #BYTES ", %2;\n"                       \
-                 :: "r"(s), "l"(__cvta_generic_to_global(gmem)), "r"(src_bytes) : "memory");              \
+                 :: "r"(smem.a), "l"(__cvta_generic_to_global(gmem)), "r"(src_bytes) : "memory");         \
+  }                                                                                                        \
+  __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES) {            \
+    NAME(shared_addr(smem), gmem, src_bytes);                                                              \
   }
 #else
 #define CUFLASH_CP_ASYNC(NAME, CACHE, BYTES)                                                               \
+  __device__ __forceinline__ void NAME(SharedAddr smem, const void* gmem,                                  \
+                                       int src_bytes = BYTES CUFLASH_PTX_CALLER) {                         \
+    ::cuflash_simt::cp_async(smem.a, gmem, BYTES, src_bytes, file, line);                                  \
+  }                                                                                                        \
   __device__ __forceinline__ void NAME(void* smem, const void* gmem, int src_bytes = BYTES CUFLASH_PTX_CALLER) { \
     ::cuflash_simt::cp_async(smem, gmem, BYTES, src_bytes, file, line);                                    \
   }
 #endif
 CUFLASH_CP_ASYNC(cp_async_cg16, "cg", 16)  // .cg (L2 only) exists for 16 bytes alone
+
+// The same copy of 16 whole bytes, without the source size (nothing to zero-fill, nothing to compute).
+__device__ __forceinline__ void cp_async_cg16_whole(SharedAddr smem, const void* gmem CUFLASH_PTX_CALLER) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem.a), "l"(__cvta_generic_to_global(gmem))
+               : "memory");
+#else
+  ::cuflash_simt::cp_async(smem.a, gmem, 16, 16, file, line);
+#endif
+}
 // CUFLASH_CP_ASYNC stays defined: tests/simt_kernels/ptx_extra.cuh stamps out cp_async_ca16 with it.
 
 // Close the group of this thread's cp.async copies issued since the last commit.
