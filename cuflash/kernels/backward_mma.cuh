@@ -127,6 +127,14 @@ __device__ __forceinline__ void store_fragments(float* dst, const float (&C)[MT]
         }
 }
 
+// P and dS of one pair of a plain tile (full, fully visible, no mask or bias): P = exp2 of one FMA, the scale
+// folded in, on the MUFU unit (flush-to-zero: a P below 2^-126 of the row's maximum is negligible).
+__device__ __forceinline__ void plain_gradient(float S, float dP, float shift, float delta_i, float scale_log2,
+                                               float& p, float& ds) {
+    p = ptx::ex2_approx_ftz(fmaf(S, scale_log2, -shift));
+    ds = p * (dP - delta_i);
+}
+
 template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]) {
 #pragma unroll
     for (int a = 0; a < R; ++a)
@@ -175,6 +183,19 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                                             (int)e, flags & kVectorV);
     ptx::cp_async_commit();
 
+    // Full query tiles of 16-byte rows come through each thread's chunk loaders (tiles in order), others (a short
+    // last tile, strided views) through the general copy.
+    using QLoader = mma::ChunkLoader<T, Br, D, Threads, 1>;
+    using OLoader = mma::ChunkLoader<T, Br, E, Threads, 1>;
+    const bool chunk_loads = QLoader::kFits && OLoader::kFits && (flags & kVectorQ) && (flags & kVectorDout) &&
+                             d % mma::kChunk == 0 && e % mma::kChunk == 0;
+    QLoader Q_load(q + ops.base.of[kQ] + queries.begin * ops.q.row, ops.q.row, (int)d, Q_s);
+    OLoader dO_load(dout + ops.base.of[kDout] + queries.begin * gdo.row, gdo.row, (int)e, dO_s);
+    if (chunk_loads) {
+        Q_load.zero_tail(Q_s);
+        dO_load.zero_tail(dO_s);
+    }
+
     float dK[MT][DT][4], dV[MT][ET][4];
     mma::zero(dK);
     mma::zero(dV);
@@ -183,10 +204,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
         ops.i0 = i0;
         ops.rows = rows;
         __syncthreads();  // every warp is done with the previous tile's Q_i, dO_i and row terms
-        mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
-                                                rows, (int)d, flags & kVectorQ);
-        mma::load_tile_async<T, Br, E, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
-                                                rows, (int)e, flags & kVectorDout);
+        if (chunk_loads && rows == Br) {
+            Q_load.next();
+            dO_load.next();
+        } else {
+            mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
+                                                    rows, (int)d, flags & kVectorQ);
+            mma::load_tile_async<T, Br, E, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
+                                                    gdo.col, rows, (int)e, flags & kVectorDout);
+        }
         ptx::cp_async_commit();
         load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
         ptx::cp_async_wait<0>();
@@ -212,9 +238,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                             float& p = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
                             // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                            if (!score_gradient(plain, p, ds, shift[ii], delta_s[ii], scale_log2, ops, bias, mask,
-                                                       i0 + ii, j0 + r, r, keys, i0 + rows, left, right, partial, p,
-                                                       ds))
+                            if (plain)
+                                mma::plain_gradient(p, ds, shift[ii], delta_s[ii], scale_log2, p, ds);
+                            else if (!score_gradient(false, p, ds, shift[ii], delta_s[ii], scale_log2, ops, bias,
+                                                     mask, i0 + ii, j0 + r, r, keys, i0 + rows, left, right, partial,
+                                                     p, ds))
                                 hidden[mt][h] |= 1u << (2 * nt + x);
                         }
                 }
@@ -275,15 +303,33 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     ptx::cp_async_commit();
     load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
 
+    // Full key tiles of 16-byte rows come through each thread's chunk loaders (tiles in order), others (a short
+    // last tile, strided views) through the general copy.
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, 1>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, 1>;
+    const bool chunk_loads = KLoader::kFits && VLoader::kFits && (flags & kVectorK) && (flags & kVectorV) &&
+                             d % mma::kChunk == 0 && e % mma::kChunk == 0;
+    KLoader K_load(k + ops.base.of[kK] + ops.keys.begin * ops.k.row, ops.k.row, (int)d, K_s);
+    VLoader V_load(v + ops.base.of[kV] + ops.keys.begin * ops.v.row, ops.v.row, (int)e, V_s);
+    if (chunk_loads) {
+        K_load.zero_tail(K_s);
+        V_load.zero_tail(V_s);
+    }
+
     float dQ[MT][DT][4];
     mma::zero(dQ);
     for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc) {
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         __syncthreads();  // every warp is done with the previous tile's K_j and V_j
-        mma::load_tile_async<T, Bc, D, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
-                                                cols, (int)d, flags & kVectorK);
-        mma::load_tile_async<T, Bc, E, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
-                                                cols, (int)e, flags & kVectorV);
+        if (chunk_loads && cols == Bc) {
+            K_load.next();
+            V_load.next();
+        } else {
+            mma::load_tile_async<T, Bc, D, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
+                                                    cols, (int)d, flags & kVectorK);
+            mma::load_tile_async<T, Bc, E, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
+                                                    cols, (int)e, flags & kVectorV);
+        }
         ptx::cp_async_commit();
         ptx::cp_async_wait<0>();
         __syncthreads();
@@ -308,8 +354,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
                             const int jj = 8 * nt + 2 * quad_col + x;
                             float& p = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
-                            if (!score_gradient(plain, p, ds, shift[r], delta_s[r], scale_log2, ops, bias, mask, i,
-                                                       j0 + jj, jj, cols, n, left, right, partial, p, ds))
+                            if (plain)
+                                mma::plain_gradient(p, ds, shift[r], delta_s[r], scale_log2, p, ds);
+                            else if (!score_gradient(false, p, ds, shift[r], delta_s[r], scale_log2, ops, bias, mask,
+                                                     i, j0 + jj, jj, cols, n, left, right, partial, p, ds))
                                 hidden[mt][h] |= 1u << (2 * nt + x);
                             if (!plain && (flags & kWantDbias) && r < rows && jj < cols)
                                 dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
