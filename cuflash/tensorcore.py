@@ -116,11 +116,17 @@ def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
     return args + ["true"] if split else args
 
 
-# Preference order: 128 query rows with 4 warps of two m16 tiles (K and V fragments reused twice) where the
-# registers allow it (small head dims), else 8 warps of one; smaller tiles for large head dims on smaller
-# shared memories.
+# Preference order: 128 query rows with 4 warps of two m16 tiles (each K and V fragment feeds four mma, not
+# two: 0.25 ldmatrix per mma) where the registers allow it, with 64 keys per tile (d <= 32) or 32 (d <= 64); else
+# 8 warps of one m16 tile; smaller tiles for large head dims on smaller shared memories.
 CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
-    (128, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 32, 1), (16, 16, 1)))
+    (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 32, 1), (16, 16, 1)))
+
+
+def candidates(shape: Shape) -> List[tuple]:
+    """CANDIDATES, two m16 tiles per warp only where Q_i's fragments stay in registers: read from shared memory
+    for every key tile, they would cost the ldmatrix the second tile saves."""
+    return [tuple(c for c in CANDIDATES if tiles_per_warp(c) == 1 or q_in_registers(shape, c))]
 
 FORWARD = Family(
     variant="mma", title="tensor-core", template="cuflash::fwd_mma", source="forward_mma.cuh",
@@ -128,7 +134,7 @@ FORWARD = Family(
     buckets=lambda shape, config: (bucket(shape.d), bucket(shape.e)),
     shared_memory_bytes=shared_memory_bytes, accumulator_words=accumulator_words,
     registers_estimate=registers_estimate, template_args=template_args,
-    column_width=lambda shape, config: max(1, shape.e), candidates=lambda shape: [CANDIDATES],
+    column_width=lambda shape, config: max(1, shape.e), candidates=candidates,
     register_target=REGISTER_TARGET, register_limit=REGISTER_LIMIT,
     register_advice="use a smaller Br or Bc, or more warps", stages=STAGES)
 
