@@ -44,15 +44,15 @@ def buckets(shape: Shape, config: BlockConfig) -> Tuple[int, int]:
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     """Dynamic shared memory of one block: the Q, K, V tiles in the element type (Q and K rows padded by 16 bytes,
-    to an odd number of 16-byte chunks) and P in the accumulator type (rows padded by 16 bytes); each region
-    16-byte aligned. Mirrors ForwardShared."""
+    to an odd number of 16-byte chunks) and P in the accumulator type (rows padded to 64 bytes past a multiple
+    of 128); each region 16-byte aligned. Mirrors ForwardShared."""
     item = shape.dtype.itemsize
     acc = acc_dtype_of(shape.dtype).itemsize
     D, E = buckets(shape, config)
     q = align16(item * config.Br * D + 16 * config.Br)
     k = align16(item * config.Bc * D + 16 * config.Bc)
     v = align16(item * config.Bc * E)
-    p = align16(acc * config.Br * config.Bc + 16 * config.Br)
+    p = align16(acc * config.Br * config.Bc + config.Br * ((64 - acc * config.Bc % 128) % 128))
     return q + k + v + p
 
 

@@ -23,15 +23,17 @@ def test_known_gpu_limits():
 
 
 def test_shared_memory_model_by_hand():
-    # half, d=e=64, (64, 64): Q and K rows of 64 + 8 halves (16 bytes), V rows of 64, P of 64 x (64 + 4) floats.
+    # half, d=e=64, (64, 64): Q and K rows of 64 + 8 halves (16 bytes), V rows of 64, P of 64 rows of 64 floats
+    # padded by 16 (a pitch of 320 bytes: 64 past a multiple of 128).
     w = Workload(F16, 64, 64)
-    assert shared_memory_bytes(w, BlockConfig(64, 64)) == 64 * 72 * 2 + 64 * 72 * 2 + 64 * 64 * 2 + 64 * 68 * 4
-    # float, d=59 (bucket 64), e=3 (bucket 16): rows padded by four floats; every region 16-byte aligned.
+    assert shared_memory_bytes(w, BlockConfig(64, 64)) == 64 * 72 * 2 + 64 * 72 * 2 + 64 * 64 * 2 + 64 * 80 * 4
+    # float, d=59 (bucket 64), e=3 (bucket 16), (8, 16): Q, K rows padded by four floats; P's 16 floats are 64 bytes
+    # already (no pad); every region 16-byte aligned.
     w = Workload(F32, 59, 3)
-    assert shared_memory_bytes(w, BlockConfig(8, 16)) == 8 * 68 * 4 + 16 * 68 * 4 + 16 * 16 * 4 + 8 * 20 * 4
-    # double, d=e=16, (4, 16): rows padded by two doubles; P of 4 x (16 + 2) doubles.
+    assert shared_memory_bytes(w, BlockConfig(8, 16)) == 8 * 68 * 4 + 16 * 68 * 4 + 16 * 16 * 4 + 8 * 16 * 4
+    # double, d=e=16, (4, 16): Q, K rows padded by two doubles; P's 16 doubles (128 bytes) padded by 8.
     w = Workload(F64, 16, 16)
-    assert shared_memory_bytes(w, BlockConfig(4, 16, 2)) == 4 * 18 * 8 + 16 * 18 * 8 + 16 * 16 * 8 + 4 * 18 * 8
+    assert shared_memory_bytes(w, BlockConfig(4, 16, 2)) == 4 * 18 * 8 + 16 * 18 * 8 + 16 * 16 * 8 + 4 * 24 * 8
 
 
 @pytest.mark.parametrize("gpu", GPUS)
@@ -67,7 +69,7 @@ def test_block_for_h100_refused_on_a100_with_the_right_sentence():
     config = BlockConfig(64, 64, warps=8)
     assert not_supported_reasons(w, config, DeviceLimits.known("H100")) == []
     (reason,) = not_supported_reasons(w, config, DeviceLimits.known("A100"))
-    assert reason == ("block (64, 64, warps=8) for d=256 float32 needs 211 KiB of shared memory; "
+    assert reason == ("block (64, 64, warps=8) for d=256 float32 needs 214 KiB of shared memory; "
                       "A100 allows 163 KiB per block; (32, 32, warps=8) fits")
 
 
@@ -82,7 +84,7 @@ def test_reasons_name_every_problem():
     assert "keeps 544 accumulator registers per thread" in reason
     # d past the largest float16 bucket is swept in slices of 256: the tiles are sized for 256 (+ padding)
     (reason,) = not_supported_reasons(Workload(F16, 300, 64), BlockConfig(64, 64), device)
-    assert reason.startswith("block (64, 64) for d=300, e=64 float16 needs 91 KiB of shared memory")
+    assert reason.startswith("block (64, 64) for d=300, e=64 float16 needs 94 KiB of shared memory")
     assert not_supported_reasons(Workload(F16, 300, 64), BlockConfig(64, 64), DeviceLimits.known("A100")) == []
 
 

@@ -1,9 +1,10 @@
 // The forward pass on CUDA cores (FMA): FlashAttention's tiled online softmax, one thread block per Br query rows
 // of one batch item, sweeping the visible key/value tiles of Bc rows through shared memory.
 //
-// Thread layout: TC = 16 consecutive lanes share a row group of RPT query rows; lane tx owns score columns
-// tx, tx + 16, ... of the key tile (16 different K rows per load) and output columns tx * EPT ... tx * EPT + EPT - 1
-// of e (one run of V's row per load). So S (RPT x Bc/16 per thread), the
+// Thread layout: TC = 16 consecutive lanes share a row group of RPT query rows (rows ty, ty + RG, ...: the two
+// groups of a warp hold adjacent rows); lane tx owns score columns
+// tx, tx + 16, ... of the key tile (16 different K rows per load) and EPT output columns of e in runs of up to 16
+// bytes (the 16 lanes read 16 consecutive runs of V's row per load). So S (RPT x Bc/16 per thread), the
 // running max m_i, the running sum l_i and the unnormalized O_i (RPT x E/16 per thread) live in registers; only the
 // probabilities P pass through shared memory, to be read by rows for P.V. No score ever goes to global memory.
 //
@@ -27,13 +28,18 @@ __host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15)
 // loads (D is a multiple of 16, so D elements are an even number of chunks).
 template <typename T> __host__ __device__ constexpr int word_pad() { return sizeof(T) < 4 ? 4 / (int)sizeof(T) : 1; }
 template <typename T> __host__ __device__ constexpr int chunk_pad() { return 16 / (int)sizeof(T); }
+// P's pitch: 64 bytes past a multiple of 128, so the two row groups of a warp, storing adjacent rows, fill the
+// 32 banks once (a multiple of 16 bytes, for the 16-byte reads).
+template <typename A> __host__ __device__ constexpr int half_line_pad(int cols) {
+    return ((64 - cols * (int)sizeof(A) % 128) + 128) % 128 / (int)sizeof(A);
+}
 
 // Shared memory of one block, all dynamic. cuflash/cudacore.py's shared-memory model mirrors this layout exactly.
 // Q, K and P are read in 16-byte chunks along their rows, V along its rows too (each lane's output columns).
 template <typename T, int Br, int Bc, int D, int E>
 struct ForwardShared {
     using Acc = typename AccOf<T>::type;
-    static constexpr int LDQ = D + chunk_pad<T>(), LDK = D + chunk_pad<T>(), LDV = E, LDP = Bc + chunk_pad<Acc>();
+    static constexpr int LDQ = D + chunk_pad<T>(), LDK = D + chunk_pad<T>(), LDV = E, LDP = Bc + half_line_pad<Acc>(Bc);
     static constexpr size_t q_offset = 0;
     static constexpr size_t k_offset = q_offset + align16(sizeof(T) * Br * LDQ);
     static constexpr size_t v_offset = k_offset + align16(sizeof(T) * Bc * LDK);
@@ -80,6 +86,11 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     static_assert(Br % RG == 0 && Bc % TC == 0 && E % TC == 0 && D % TC == 0, "unsupported tile shape");
     static_assert(CPT <= 32, "hidden-key bits must fit one word");
     constexpr Acc kLn2 = Acc(0.6931471805599453);
+    // A lane's output columns: runs of R adjacent ones (at most 16 bytes of V), run s at chunk tx + TC * s, so
+    // the 16 lanes of a row group read 16 consecutive runs of V's row with each load.
+    constexpr int R = EPT * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : EPT;
+    static_assert(EPT % R == 0, "output columns come in whole runs");
+    const auto out_column = [](int lane, int c) { return (lane + TC * (c / R)) * R + c % R; };
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
@@ -141,7 +152,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             for (int x = 0; x < width; x += V) {
                 Acc q_x[RPT][V], k_x[CPT][V];
 #pragma unroll
-                for (int a = 0; a < RPT; ++a) load_run<V>(&Q_s[(ty * RPT + a) * Smem::LDQ + x], q_x[a]);
+                for (int a = 0; a < RPT; ++a) load_run<V>(&Q_s[(ty + RG * a) * Smem::LDQ + x], q_x[a]);
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) load_run<V>(&K_s[(tx + TC * c) * Smem::LDK + x], k_x[c]);
 #pragma unroll
@@ -169,7 +180,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
                 hidden[a] = 0;
-                const long long i = i0 + ty * RPT + a;
+                const long long i = i0 + ty + RG * a;
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) {
                     const int jj = tx + TC * c;
@@ -195,7 +206,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             for (int c = 0; c < CPT; ++c) {
                 const Acc p = exp2_(S[a][c] - m_use);
                 tile_sum += p;
-                P_s[(ty * RPT + a) * Smem::LDP + tx + TC * c] = (hidden[a] >> c & 1u) ? hidden_p<Acc>() : p;
+                P_s[(ty + RG * a) * Smem::LDP + tx + TC * c] = (hidden[a] >> c & 1u) ? hidden_p<Acc>() : p;
             }
             l_i[a] = alpha * l_i[a] + lanes_sum<TC>(tile_sum);
             m_i[a] = m_new;
@@ -204,24 +215,25 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         }
         __syncthreads();
 
-        // O_i += P_ij V_j, a 16-byte chunk of each P row at a time; each lane owns EPT adjacent output columns,
-        // read from V_j's row in one run. On partial tiles hidden keys are skipped by selection (keys past cols
-        // are hidden there, and their V rows zero).
+        // O_i += P_ij V_j, a 16-byte chunk of each P row at a time; each lane owns EPT output columns in runs of
+        // R adjacent ones (out_column), read from V_j's row a run per load. On partial tiles hidden keys are
+        // skipped by selection (keys past cols are hidden there, and their V rows zero).
         constexpr int VP = 16 / (int)sizeof(Acc);
 #pragma unroll 1
         for (int j = 0; j < cols; j += VP) {
             Acc p_j[RPT][VP];
 #pragma unroll
-            for (int a = 0; a < RPT; ++a) load_run<VP>(&P_s[(ty * RPT + a) * Smem::LDP + j], p_j[a]);
+            for (int a = 0; a < RPT; ++a) load_run<VP>(&P_s[(ty + RG * a) * Smem::LDP + j], p_j[a]);
 #pragma unroll
             for (int t = 0; t < VP; ++t) {
-                Acc v_j[EPT];
-                load_run<EPT>(&V_s[(j + t) * Smem::LDV + tx * EPT], v_j);
+                Acc v_j[EPT / R][R];
+#pragma unroll
+                for (int s = 0; s < EPT / R; ++s) load_run<R>(&V_s[(j + t) * Smem::LDV + out_column(tx, s * R)], v_j[s]);
 #pragma unroll
                 for (int a = 0; a < RPT; ++a)
 #pragma unroll
                     for (int c = 0; c < EPT; ++c) {
-                        const Acc o = O_i[a][c] + p_j[a][t] * v_j[c];
+                        const Acc o = O_i[a][c] + p_j[a][t] * v_j[c / R][c % R];
                         O_i[a][c] = (partial && p_j[a][t] < Acc(0)) ? O_i[a][c] : o;
                     }
             }
@@ -231,13 +243,13 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     // O_i / l_i and lse = ln(sum of exp) = (m_i + log2 l_i) * ln 2; a row that saw no key gives 0 and -inf.
 #pragma unroll
     for (int a = 0; a < RPT; ++a) {
-        const int r = ty * RPT + a;
+        const int r = ty + RG * a;
         if (r >= rows) continue;
         const long long i = i0 + r;
         const bool nothing_visible = l_i[a] == Acc(0);
 #pragma unroll
         for (int c = 0; c < EPT; ++c) {
-            const int col = tx * EPT + c;
+            const int col = out_column(tx, c);
             if (col < e)
                 out[ops.base.of[kOut] + i * ops.out.row + col * ops.out.col] =
                     from_acc<O>(nothing_visible ? Acc(0) : O_i[a][c] / l_i[a]);

@@ -112,12 +112,14 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
             if (r < rows && c + V <= cols) {
                 const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(src + r * row_stride + c);
                 if constexpr (LD * sizeof(T) % 16 == 0) {  // 16-byte aligned rows take the chunk in one store
-                    *reinterpret_cast<Chunk16*>(dst + r * LD + c) = chunk;
+                    *reinterpret_cast<uint4*>(dst + r * LD + c) = *reinterpret_cast<const uint4*>(&chunk);
                 } else {
                     const T* parts = reinterpret_cast<const T*>(&chunk);
 #pragma unroll
                     for (int t = 0; t < V; ++t) dst[r * LD + c + t] = parts[t];
                 }
+            } else if ((r >= rows || c >= cols) && LD * sizeof(T) % 16 == 0) {  // a chunk of zeros, one store
+                *reinterpret_cast<uint4*>(dst + r * LD + c) = uint4{};
             } else {
 #pragma unroll
                 for (int t = 0; t < V; ++t)
