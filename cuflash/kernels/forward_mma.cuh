@@ -228,7 +228,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 }
         }
 
-        // Online softmax: new running max, rescale l_i and O_i by exp2(m_old - m_new), P = exp2(S - m_new).
+        // Online softmax: a row whose max grew moves m_i there and rescales l_i by alpha = exp2(m_old - m_new);
+        // O_i is rescaled only when some row of the warp moved. After the first tiles a row's running max
+        // rarely grows, so most tiles skip the O_i multiplies; the results are those of rescaling by exactly 1.
+        float alpha[MT][2];  // 1 for a row whose m_i stayed
+        bool any_moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -237,9 +241,13 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                 for (int nt = 1; nt < NT; ++nt)
                     tile_max = fmaxf(tile_max, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
-                const float m_new = fmaxf(m_i[mt][h], mma::quad_max(tile_max) * S_scale);
-                const float m_use = m_new == -infinity<float>() ? 0.0f : m_new;  // nothing visible yet
-                const float alpha = ptx::ex2_approx_ftz(m_i[mt][h] - m_use);
+                const float m_new = mma::quad_max(tile_max) * S_scale;
+                const bool moved = m_new > m_i[mt][h];  // never while nothing is visible (-inf)
+                const float m_ref = moved ? m_new : m_i[mt][h];
+                const float m_use = m_ref == -infinity<float>() ? 0.0f : m_ref;  // nothing visible yet
+                alpha[mt][h] = moved ? ptx::ex2_approx_ftz(m_i[mt][h] - m_use) : 1.0f;
+                any_moved |= moved;
+                m_i[mt][h] = m_ref;
                 float tile_sum = 0.0f;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
@@ -249,14 +257,16 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                         S[mt][nt][2 * h + x] = p;
                         tile_sum += p;
                     }
-                l_i[mt][h] = alpha * l_i[mt][h] + tile_sum;  // the quad's lanes add up at the end
-                m_i[mt][h] = m_new;
-#pragma unroll
-                for (int et = 0; et < ET; ++et) {
-                    O_i[mt][et][2 * h] *= alpha;
-                    O_i[mt][et][2 * h + 1] *= alpha;
-                }
+                l_i[mt][h] = alpha[mt][h] * l_i[mt][h] + tile_sum;  // the quad's lanes add up at the end
             }
+        if (__any_sync(0xffffffffu, any_moved)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int et = 0; et < ET; ++et)
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) O_i[mt][et][x] *= alpha[mt][x / 2];
+        }
 
         // A hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look for non-finite values.
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads>(
