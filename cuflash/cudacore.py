@@ -156,14 +156,15 @@ def _backward_family(kind: str) -> Family:
         return (config.Bc, config.Br) if keys_own else (config.Br, config.Bc)
 
     def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
-        """Q and dO of the query tile, K and V of the key tile (rows padded as the forward's), P and dS over (own
-        rows) x (swept columns + 1) and two row terms per query in the accumulator type. Mirrors BackwardShared."""
+        """Q and dO of the query tile, K and V of the key tile (rows padded by 16 bytes, as the forward's Q and K),
+        P and dS over (own rows) x (swept columns, rows padded to 64 bytes past a multiple of 128) and two row terms
+        per query in the accumulator type; each region 16-byte aligned. Mirrors BackwardShared."""
         item, acc = shape.dtype.itemsize, acc_dtype_of(shape.dtype).itemsize
         D, E = backward_buckets(shape, config)
-        pad = 4 // item if item < 4 else 1
         own, swept = own_and_swept(config)
-        tiles = sum(align16(item * rows * (width + pad)) for rows in (config.Br, config.Bc) for width in (D, E))
-        return tiles + 2 * align16(acc * own * (swept + 1)) + align16(acc * 2 * config.Br)
+        tiles = sum(align16(item * rows * width + 16 * rows) for rows in (config.Br, config.Bc) for width in (D, E))
+        p = align16(acc * own * swept + own * ((64 - acc * swept % 128) % 128))
+        return tiles + 2 * p + align16(acc * 2 * config.Br)
 
     def accumulator_words(shape: Shape, config: BlockConfig) -> int:
         """Per thread: S and dP over its rows x swept columns, and the block's gradients (dQ; or dK and dV)."""

@@ -11,10 +11,12 @@
 // in both kernels costs two more tile products than one kernel with atomic dQ; it buys determinism.
 //
 // Thread layout as the forward's (forward.cuh): kLanesPerRow = 16 consecutive lanes share a row group of the
-// block's own rows (queries in bwd_dq, keys in bwd_dkdv); lane tx owns columns tx, tx + 16, ... of the swept tile
-// and of the head dims. Scores, dP and the block's gradients live in registers; P and dS pass through shared
-// memory to be read by rows. Hidden pairs are skipped by selection (P's shared tile holds hidden_p for them), so
-// a NaN or inf in a hidden key, value or query row never reaches a gradient through 0 * inf.
+// block's own rows (queries in bwd_dq, keys in bwd_dkdv; rows ty, ty + RG, ...: the two groups of a warp hold
+// adjacent rows); lane tx owns columns tx, tx + 16, ... of the swept tile and the head-dim columns of its runs
+// (LaneColumns: up to 16 bytes each). Scores, dP and the block's gradients live in registers; P and dS pass
+// through shared memory to be read by rows, a 16-byte chunk at a time. Hidden pairs are skipped by selection (P's
+// shared tile holds hidden_p for them), so a NaN or inf in a hidden key, value or query row never reaches a
+// gradient through 0 * inf.
 //
 // Template: T element type; Br queries and Bc keys per tile; D, E head-dimension buckets (d <= D and e <= E: the
 // planner sends wider heads to the blocked path); Warps per block.
@@ -25,15 +27,16 @@
 namespace cuflash {
 
 // Shared memory of one backward block, all dynamic: the query tile's Q and dO, the key tile's K and V (rows padded
-// to an odd number of 32-bit words, as the forward's), P and dS over (own rows) x (swept columns) in the
-// accumulator type, and the query tile's lse shift and D_i. KeysOwn: bwd_dkdv's layout (own rows are keys).
-// cuflash/cudacore.py's backward shared-memory model mirrors this layout exactly.
+// by 16 bytes to an odd number of 16-byte chunks, as the forward's Q and K: each is read in chunks of 16 rows by a
+// tile product), P and dS over (own rows) x (swept columns) in the accumulator type (pitch 64 bytes past a multiple
+// of 128, as the forward's P), and the query tile's lse shift and D_i. KeysOwn: bwd_dkdv's layout (own rows are
+// keys). cuflash/cudacore.py's backward shared-memory model mirrors this layout exactly.
 template <typename T, int Br, int Bc, int D, int E, bool KeysOwn>
 struct BackwardShared {
     using Acc = typename AccOf<T>::type;
-    static constexpr int kPad = word_pad<T>();
-    static constexpr int LDD = D + kPad, LDE = E + kPad;
-    static constexpr int Queries = Br, Rows = KeysOwn ? Bc : Br, LDP = (KeysOwn ? Br : Bc) + 1;
+    static constexpr int LDD = D + chunk_pad<T>(), LDE = E + chunk_pad<T>();
+    static constexpr int Queries = Br, Rows = KeysOwn ? Bc : Br, Swept = KeysOwn ? Br : Bc;
+    static constexpr int LDP = Swept + half_line_pad<Acc>(Swept);
     static constexpr size_t q_offset = 0;
     static constexpr size_t do_offset = q_offset + align16(sizeof(T) * Br * LDD);
     static constexpr size_t k_offset = do_offset + align16(sizeof(T) * Br * LDE);
@@ -113,48 +116,70 @@ __device__ __forceinline__ bool score_gradient(bool plain, A S, A dP, A shift, A
     return visible;
 }
 
-// Acc[R][C] += X_rows . Y_cols over `width` columns of two shared tiles: rows ty * R + a of X (pitch LDX),
-// columns tx + 16 c of Y (pitch LDY), as the forward's S = Q K^T.
-template <int R, int C, int LDX, int LDY, typename T, typename Acc>
+// out[R][C] += X_rows . Y_rows over `width` columns of two shared tiles, as the forward's S = Q K^T: a 16-byte
+// chunk of each of the thread's X rows (ty + RG a, pitch LDX) and Y rows (tx + 16 c, pitch LDY) feeds
+// V * R * C FMAs (columns past width are zero in both tiles, up to their whole chunks).
+template <int R, int C, int RG, int LDX, int LDY, typename T, typename Acc>
 __device__ __forceinline__ void tile_product(Acc (&out)[R][C], const T* X, const T* Y, int width, int ty, int tx) {
-#pragma unroll 2
-    for (int x = 0; x < width; ++x) {
-        Acc a_x[R], b_x[C];
+    constexpr int V = 16 / (int)sizeof(T);
+#pragma unroll 1  // a body of V * R * C FMAs is work enough; one copy keeps registers and code small
+    for (int x = 0; x < width; x += V) {
+        Acc x_x[R][V], y_x[C][V];
 #pragma unroll
-        for (int a = 0; a < R; ++a) a_x[a] = to_acc(X[(ty * R + a) * LDX + x]);
+        for (int a = 0; a < R; ++a) load_run<V>(&X[(ty + RG * a) * LDX + x], x_x[a]);
 #pragma unroll
-        for (int c = 0; c < C; ++c) b_x[c] = to_acc(Y[(tx + kLanesPerRow * c) * LDY + x]);
+        for (int c = 0; c < C; ++c) load_run<V>(&Y[(tx + kLanesPerRow * c) * LDY + x], y_x[c]);
 #pragma unroll
-        for (int a = 0; a < R; ++a)
+        for (int t = 0; t < V; ++t)
 #pragma unroll
-            for (int c = 0; c < C; ++c) out[a][c] += a_x[a] * b_x[c];
+            for (int a = 0; a < R; ++a)
+#pragma unroll
+                for (int c = 0; c < C; ++c) out[a][c] += x_x[a][t] * y_x[c][t];
     }
 }
 
-// Acc[R][C] += W_rows . Y over the `count` swept columns: W (pitch LDW) one of the shared P, dS tiles, Y's rows
-// the swept tile's (pitch LDY), columns tx + 16 c; on partial tiles the hidden pairs (P < 0) are skipped.
-template <int R, int C, int LDW, int LDY, typename T, typename Acc>
+// out[R][C] += W_rows . Y over the `count` swept columns, as the forward's O += P V: W (pitch LDW) one of the
+// shared P, dS tiles, a 16-byte chunk of each of the thread's rows (ty + RG a) at a time; Y's rows (pitch LDY) the
+// swept tile's, each read in the lane's runs of columns (LaneColumns<T, C>). count is rounded up to whole chunks:
+// past it W is 0 or hidden and Y's rows are zero. Careful (partial tiles): the pairs hidden in P (P < 0) are
+// skipped by selection, so a non-finite Y row never meets a hidden pair's weight.
+template <bool Careful, int R, int C, int RG, int LDW, int LDY, typename T, typename Acc>
 __device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, const Acc* P, const T* Y, int count,
-                                              bool partial, int ty, int tx) {
-#pragma unroll 2
-    for (int j = 0; j < count; ++j) {
-        Acc w_j[R], y_j[C];
-        bool hidden[R];
+                                              int ty, int tx) {
+    using Columns = LaneColumns<T, C>;
+    constexpr int VW = 16 / (int)sizeof(Acc), RY = Columns::R;
+#pragma unroll 1
+    for (int j = 0; j < count; j += VW) {
+        Acc w_j[R][VW], p_j[R][VW];
 #pragma unroll
         for (int a = 0; a < R; ++a) {
-            w_j[a] = W[(ty * R + a) * LDW + j];
-            hidden[a] = partial && P[(ty * R + a) * LDW + j] < Acc(0);
+            load_run<VW>(&W[(ty + RG * a) * LDW + j], w_j[a]);
+            if constexpr (Careful) load_run<VW>(&P[(ty + RG * a) * LDW + j], p_j[a]);
         }
 #pragma unroll
-        for (int c = 0; c < C; ++c) y_j[c] = to_acc(Y[j * LDY + tx + kLanesPerRow * c]);
+        for (int t = 0; t < VW; ++t) {
+            Acc y_j[C / RY][RY];
 #pragma unroll
-        for (int a = 0; a < R; ++a)
+            for (int s = 0; s < C / RY; ++s) load_run<RY>(&Y[(j + t) * LDY + Columns::column(tx, s * RY)], y_j[s]);
 #pragma unroll
-            for (int c = 0; c < C; ++c) {
-                const Acc o = out[a][c] + w_j[a] * y_j[c];
-                out[a][c] = hidden[a] ? out[a][c] : o;
-            }
+            for (int a = 0; a < R; ++a)
+#pragma unroll
+                for (int c = 0; c < C; ++c) {
+                    const Acc o = out[a][c] + w_j[a][t] * y_j[c / RY][c % RY];
+                    out[a][c] = (Careful && p_j[a][t] < Acc(0)) ? out[a][c] : o;
+                }
+        }
     }
+}
+
+// The same, Careful where the tile is partial.
+template <int R, int C, int RG, int LDW, int LDY, typename T, typename Acc>
+__device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, const Acc* P, const T* Y, int count,
+                                              bool partial, int ty, int tx) {
+    if (partial)
+        weighted_rows<true, R, C, RG, LDW, LDY>(out, W, P, Y, count, ty, tx);
+    else
+        weighted_rows<false, R, C, RG, LDW, LDY>(out, W, P, Y, count, ty, tx);
 }
 
 template <int R, int C, typename Acc> __device__ __forceinline__ void zero(Acc (&x)[R][C]) {
@@ -164,17 +189,18 @@ template <int R, int C, typename Acc> __device__ __forceinline__ void zero(Acc (
         for (int c = 0; c < C; ++c) x[a][c] = Acc(0);
 }
 
-// rows x width of scale * G (rows ty * R + a, columns tx + 16 c) to dst (row and column strides).
-template <int R, int C, typename Acc>
+// rows x width of scale * G to dst (row and column strides): G's rows ty + RG a, its columns the lane's runs as
+// weighted_rows read them from a tile of T (LaneColumns<T, C>).
+template <typename T, int R, int C, int RG, typename Acc>
 __device__ __forceinline__ void store_rows(Acc* dst, const Acc (&G)[R][C], Acc scale, long long row_stride,
                                            long long col_stride, int rows, long long width, int ty, int tx) {
 #pragma unroll
     for (int a = 0; a < R; ++a) {
-        const int r = ty * R + a;
+        const int r = ty + RG * a;
         if (r >= rows) continue;
 #pragma unroll
         for (int c = 0; c < C; ++c) {
-            const int col = tx + kLanesPerRow * c;
+            const int col = LaneColumns<T, C>::column(tx, c);
             if (col < width) dst[r * row_stride + col * col_stride] = scale * G[a][c];
         }
     }
@@ -219,14 +245,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
         Acc S[RPT][CPT], dP[RPT][CPT];
         zero(S);
         zero(dP);
-        tile_product<RPT, CPT, Smem::LDD, Smem::LDD>(S, s.Q, s.K, (int)d, ty, tx);
-        tile_product<RPT, CPT, Smem::LDE, Smem::LDE>(dP, s.dO, s.V, (int)e, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.Q, s.K, (int)d, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.dO, s.V, (int)e, ty, tx);
 
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
         auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
-                const int r = ty * RPT + a;
+                const int r = ty + RG * a;
                 const long long i = i0 + r;
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) {
@@ -247,9 +273,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
         else
             gradients(false);
         __syncthreads();
-        weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, s.K, cols, partial, ty, tx);
+        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, s.K, cols, partial, ty, tx);
     }
-    store_rows(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, rows, d, ty, tx);
+    store_rows<T, RPT, DPT, RG>(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, rows, d, ty, tx);
 }
 
 template <typename T, int Br, int Bc, int D, int E, int Warps>
@@ -298,14 +324,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
         Acc S[RPT][CPT], dP[RPT][CPT];  // transposed: keys by row, queries by column
         zero(S);
         zero(dP);
-        tile_product<RPT, CPT, Smem::LDD, Smem::LDD>(S, s.K, s.Q, (int)d, ty, tx);
-        tile_product<RPT, CPT, Smem::LDE, Smem::LDE>(dP, s.V, s.dO, (int)e, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.K, s.Q, (int)d, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.V, s.dO, (int)e, ty, tx);
 
         const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
         auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
-                const int r = ty * RPT + a;
+                const int r = ty + RG * a;
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) {
                     const int ii = tx + TC * c;
@@ -324,11 +350,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
         else
             gradients(false);
         __syncthreads();
-        weighted_rows<RPT, EPT, Smem::LDP, Smem::LDE>(dV, s.P, s.P, s.dO, rows, partial, ty, tx);
-        weighted_rows<RPT, DPT, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, s.Q, rows, partial, ty, tx);
+        weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDE>(dV, s.P, s.P, s.dO, rows, partial, ty, tx);
+        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, s.Q, rows, partial, ty, tx);
     }
-    store_rows(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, keys, d, ty, tx);
-    store_rows(dv + ops.base.of[kDv] + j0 * gdv.row, dV, Acc(1), gdv.row, gdv.col, keys, e, ty, tx);
+    store_rows<T, RPT, DPT, RG>(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, keys, d, ty, tx);
+    store_rows<T, RPT, EPT, RG>(dv + ops.base.of[kDv] + j0 * gdv.row, dV, Acc(1), gdv.row, gdv.col, keys, e, ty, tx);
 }
 
 }  // namespace cuflash

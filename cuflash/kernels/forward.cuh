@@ -19,21 +19,6 @@
 
 namespace cuflash {
 
-constexpr int kLanesPerRow = 16;  // TC
-
-__host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
-
-// Row paddings. One 32-bit word makes a row pitch an odd number of words, so 16 lanes reading 16 rows at one
-// column with scalar loads hit 16 banks; 16 bytes makes it an odd number of 16-byte chunks, the same for 16-byte
-// loads (D is a multiple of 16, so D elements are an even number of chunks).
-template <typename T> __host__ __device__ constexpr int word_pad() { return sizeof(T) < 4 ? 4 / (int)sizeof(T) : 1; }
-template <typename T> __host__ __device__ constexpr int chunk_pad() { return 16 / (int)sizeof(T); }
-// P's pitch: 64 bytes past a multiple of 128, so the two row groups of a warp, storing adjacent rows, fill the
-// 32 banks once (a multiple of 16 bytes, for the 16-byte reads).
-template <typename A> __host__ __device__ constexpr int half_line_pad(int cols) {
-    return ((64 - cols * (int)sizeof(A) % 128) + 128) % 128 / (int)sizeof(A);
-}
-
 // Shared memory of one block, all dynamic. cuflash/cudacore.py's shared-memory model mirrors this layout exactly.
 // Q, K and P are read in 16-byte chunks along their rows, V along its rows too (each lane's output columns).
 template <typename T, int Br, int Bc, int D, int E>
@@ -46,29 +31,6 @@ struct ForwardShared {
     static constexpr size_t p_offset = v_offset + align16(sizeof(T) * Bc * LDV);
     static constexpr size_t bytes = p_offset + align16(sizeof(Acc) * Br * LDP);
 };
-
-// Count consecutive elements of shared memory at p (aligned to their total size when that is 4, 8 or a multiple
-// of 16 bytes) as accumulator values, in the widest loads that allow: 16-byte loads where the row is read in
-// chunks, one 8- or 4-byte load for a narrower run.
-template <int Bytes> struct Run;  // the vector type of one load of Bytes bytes
-template <> struct Run<16> { using type = uint4; };
-template <> struct Run<8> { using type = uint2; };
-template <> struct Run<4> { using type = unsigned int; };
-template <> struct Run<2> { using type = unsigned short; };
-
-template <int Count, typename T, typename Acc>
-__device__ __forceinline__ void load_run(const T* p, Acc (&out)[Count]) {
-    constexpr int Bytes = Count * (int)sizeof(T);
-    constexpr int Step = Bytes % 16 == 0 ? 16 : (Bytes == 8 || Bytes == 4) ? Bytes : (int)sizeof(T);
-    constexpr int PerStep = Step / (int)sizeof(T);
-#pragma unroll
-    for (int s = 0; s < Count / PerStep; ++s) {
-        const typename Run<Step>::type run = *reinterpret_cast<const typename Run<Step>::type*>(p + s * PerStep);
-        const T* parts = reinterpret_cast<const T*>(&run);
-#pragma unroll
-        for (int t = 0; t < PerStep; ++t) out[s * PerStep + t] = to_acc(parts[t]);
-    }
-}
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, bool Split = false>
 __global__ void __launch_bounds__(Warps * 32, 1)
@@ -86,11 +48,11 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     static_assert(Br % RG == 0 && Bc % TC == 0 && E % TC == 0 && D % TC == 0, "unsupported tile shape");
     static_assert(CPT <= 32, "hidden-key bits must fit one word");
     constexpr Acc kLn2 = Acc(0.6931471805599453);
-    // A lane's output columns: runs of R adjacent ones (at most 16 bytes of V), run s at chunk tx + TC * s, so
-    // the 16 lanes of a row group read 16 consecutive runs of V's row with each load.
-    constexpr int R = EPT * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : EPT;
-    static_assert(EPT % R == 0, "output columns come in whole runs");
-    const auto out_column = [](int lane, int c) { return (lane + TC * (c / R)) * R + c % R; };
+    // A lane's output columns (LaneColumns): runs of R adjacent ones (at most 16 bytes of V), run s at chunk
+    // tx + TC * s, so the 16 lanes of a row group read 16 consecutive runs of V's row with each load.
+    using OutColumns = LaneColumns<T, EPT>;
+    constexpr int R = OutColumns::R;
+    const auto out_column = [](int lane, int c) { return OutColumns::column(lane, c); };
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);

@@ -96,6 +96,56 @@ __device__ __forceinline__ BatchOffsets batch_offsets(const Geometry& g, long lo
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Shared tiles read in 16-byte chunks, by the CUDA-core kernels' row groups of kLanesPerRow lanes.
+
+constexpr int kLanesPerRow = 16;  // TC: the lanes that share a row group
+
+__host__ __device__ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Row paddings. 16 bytes makes a pitch an odd number of 16-byte chunks, so 16 lanes reading 16 rows at one column
+// with 16-byte loads hit every bank once (tile widths are a multiple of 16 elements: an even number of chunks).
+template <typename T> __host__ __device__ constexpr int chunk_pad() { return 16 / (int)sizeof(T); }
+// A P-like tile's pitch: 64 bytes past a multiple of 128, so the two row groups of a warp, storing adjacent rows,
+// fill the 32 banks once (a multiple of 16 bytes, for the 16-byte reads).
+template <typename A> __host__ __device__ constexpr int half_line_pad(int cols) {
+    return ((64 - cols * (int)sizeof(A) % 128) + 128) % 128 / (int)sizeof(A);
+}
+
+// Count consecutive elements of shared memory at p (aligned to their total size when that is 4, 8 or a multiple
+// of 16 bytes) as accumulator values, in the widest loads that allow: 16-byte loads where the row is read in
+// chunks, one 8- or 4-byte load for a narrower run.
+template <int Bytes> struct Run;  // the vector type of one load of Bytes bytes
+template <> struct Run<16> { using type = uint4; };
+template <> struct Run<8> { using type = uint2; };
+template <> struct Run<4> { using type = unsigned int; };
+template <> struct Run<2> { using type = unsigned short; };
+
+template <int Count, typename T, typename Acc>
+__device__ __forceinline__ void load_run(const T* p, Acc (&out)[Count]) {
+    constexpr int Bytes = Count * (int)sizeof(T);
+    constexpr int Step = Bytes % 16 == 0 ? 16 : (Bytes == 8 || Bytes == 4) ? Bytes : (int)sizeof(T);
+    constexpr int PerStep = Step / (int)sizeof(T);
+#pragma unroll
+    for (int s = 0; s < Count / PerStep; ++s) {
+        const typename Run<Step>::type run = *reinterpret_cast<const typename Run<Step>::type*>(p + s * PerStep);
+        const T* parts = reinterpret_cast<const T*>(&run);
+#pragma unroll
+        for (int t = 0; t < PerStep; ++t) out[s * PerStep + t] = to_acc(parts[t]);
+    }
+}
+
+// A lane's PerLane of the 16 * PerLane columns that its row group shares out of a tile of T: runs of R adjacent
+// columns (at most 16 bytes), run s at position lane + 16 s, so the 16 lanes read 16 consecutive runs of a row
+// with each load (column(lane, c) is the lane's c-th column).
+template <typename T, int PerLane> struct LaneColumns {
+    static constexpr int R = PerLane * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : PerLane;
+    static_assert(PerLane % R == 0, "a lane's columns come in whole runs");
+    static __device__ __forceinline__ int column(int lane, int c) {
+        return (lane + kLanesPerRow * (c / R)) * R + c % R;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
 // Predicated tile loads: Rows x Cols elements into shared memory (row pitch LD), zero outside rows x cols.
 
 struct alignas(16) Chunk16 { unsigned int word[4]; };
