@@ -119,7 +119,7 @@ def tiny(tmp_path_factory):
 @needs_tools
 def test_tiny_run_prints_writes_json_and_sass(tiny):
     out, stdout = tiny
-    assert "Estimates" in stdout and "TFLOP/s" in stdout and "fwd_mma<128,64,64,64,8,2>" in stdout
+    assert "Estimates" in stdout and "TFLOP/s" in stdout and "fwd_mma<128,32,64,64,4,2>" in stdout
     report = json.loads((out / "report.json").read_text())
     assert report["schema"] == sass_report.SCHEMA
     assert {"command", "estimates", "method", "rates", "rows"} <= set(report)
