@@ -151,7 +151,6 @@ class Graph:
         self.out_name = f"cuflash-attention-{token}"
         self.lse_name = f"cuflash-attention-lse-{token}"
         self.parts: Dict[Any, Any] = {}
-        self.pairs = 0  # (query chunk, key chunk) tasks, over all batch blocks
 
     def arrays(self, dtype):
         """The out and lse Dask arrays of this graph."""
@@ -213,7 +212,6 @@ class Graph:
             self.parts[key] = (task, c.key(c.q, b, i, 0), c.key(c.k, b, j, 0), c.key(c.v, b, j, 0),
                                c.key(c.mask, b, i, j), c.key(c.bias, b, i, j))
             keys.append(key)
-            self.pairs += 1
         return keys
 
     def local_window(self, start, size, col, width) -> Optional[Tuple[Optional[int], Optional[int]]]:

@@ -71,7 +71,8 @@ def visible_chunk_pairs(n, m, rows, cols, **options):
                for c0, c1 in zip(col_edges, col_edges[1:]))
 
 
-@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (30, 0)}, {"causal": True, "window": (None, -50)}])
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (30, 0)},
+                                     {"causal": True, "window": (None, -50)}])
 @pytest.mark.parametrize("n, m", [(200, 200), (120, 260), (260, 90)])
 def test_hidden_chunk_pairs_make_no_task(options, n, m):
     rng = np.random.default_rng(0)
@@ -178,8 +179,8 @@ def test_on_a_two_process_cluster():
     dq, dk, dv = (da.from_array(x, chunks=(1, 64, 32)) for x in (q, k, v))
     out, lse = cd.attention(dq, dk, dv, causal=True, return_lse=True)
     assert len(pair_tasks(out)) == 2 * 10  # 4 query chunks x their 1..4 visible key chunks, per batch block
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as client:
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
+    with cluster, distributed.Client(cluster) as client:
         assert len(client.run(lambda: 1)) == 2  # two worker processes
         result, result_lse = client.gather(client.compute([out, lse]))
     graph = out.__dask_graph__()

@@ -2,9 +2,9 @@
 // of one batch item, sweeping the visible key/value tiles of Bc rows through shared memory.
 //
 // Thread layout: TC = 16 consecutive lanes share a row group of RPT query rows (rows ty, ty + RG, ...: the two
-// groups of a warp hold adjacent rows); lane tx owns score columns
-// tx, tx + 16, ... of the key tile (16 different K rows per load) and EPT output columns of e in runs of up to 16
-// bytes (the 16 lanes read 16 consecutive runs of V's row per load). So S (RPT x Bc/16 per thread), the
+// groups of a warp hold adjacent rows); lane tx owns score columns tx, tx + 16, ... of the key tile (16 different
+// K rows per load) and EPT output columns of e in runs of up to 16 bytes (the 16 lanes read 16 consecutive runs of
+// V's row per load). So S (RPT x Bc/16 per thread), the
 // running max m_i, the running sum l_i and the unnormalized O_i (RPT x E/16 per thread) live in registers; only the
 // probabilities P pass through shared memory, to be read by rows for P.V. No score ever goes to global memory.
 //
@@ -190,7 +190,8 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
             for (int t = 0; t < VP; ++t) {
                 Acc v_j[EPT / R][R];
 #pragma unroll
-                for (int s = 0; s < EPT / R; ++s) load_run<R>(&V_s[(j + t) * Smem::LDV + out_column(tx, s * R)], v_j[s]);
+                for (int s = 0; s < EPT / R; ++s)
+                    load_run<R>(&V_s[(j + t) * Smem::LDV + out_column(tx, s * R)], v_j[s]);
 #pragma unroll
                 for (int a = 0; a < RPT; ++a)
 #pragma unroll

@@ -204,7 +204,8 @@ __device__ __forceinline__ bool tile_nonfinite(const T* tile, int rows) {
     constexpr int LD = Padded<Cols>::ld, ChunksPerRow = Cols / kChunk;
     bool found = false;
     for (int idx = threadIdx.x; idx < rows * ChunksPerRow; idx += Threads) {
-        const Chunk16 c = *reinterpret_cast<const Chunk16*>(tile + (idx / ChunksPerRow) * LD + (idx % ChunksPerRow) * kChunk);
+        const T* chunk = tile + (idx / ChunksPerRow) * LD + (idx % ChunksPerRow) * kChunk;
+        const Chunk16 c = *reinterpret_cast<const Chunk16*>(chunk);
 #pragma unroll
         for (int w = 0; w < 4; ++w) found = found || any_nonfinite2(c.word[w], T{});
     }
