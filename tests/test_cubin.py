@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -73,7 +74,27 @@ def chosen(arch):
 
 
 @functools.lru_cache(maxsize=None)
+def compiled():
+    """Both archs' forward and backward programs, compiled two at a time (NVRTC is most of this file's time)."""
+    jobs = [(kind, arch) for kind in ("forward", "backward") for arch in sorted(GPUS)]
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        return dict(zip(jobs, pool.map(compile_job, jobs)))
+
+
+def compile_job(job):
+    kind, arch = job
+    return compile_forward(arch) if kind == "forward" else compile_backward(arch)
+
+
 def build(arch):
+    return compiled()[("forward", arch)]
+
+
+def build_backward(arch):
+    return compiled()[("backward", arch)]
+
+
+def compile_forward(arch):
     """{name expression: (SASS text, ptxas usage)} for every chosen configuration, from one NVRTC program."""
     from cuflash import nvrtc
 
@@ -149,8 +170,7 @@ def chosen_backward(arch):
     return [(w, plan) for w in workloads for plan in tiling.backward_plans(w, device)]
 
 
-@functools.lru_cache(maxsize=None)
-def build_backward(arch):
+def compile_backward(arch):
     from cuflash import nvrtc
 
     names = sorted({plan.name for _, plan in chosen_backward(arch)})
