@@ -247,8 +247,7 @@ def offsets(chunks):
 
 def attend_pair(q, k, v, mask, bias, window, settings):
     """(out, lse) of a query chunk over one key chunk, out in the accumulation type for the merges."""
-    from .api import attention  # the front door: this module never reaches past it
-    out, lse = attention(q, k, v, mask=mask, bias=bias, window=window, return_lse=True, **settings)
+    out, lse = api.attention(q, k, v, mask=mask, bias=bias, window=window, return_lse=True, **settings)
     return out.astype(lse.dtype, copy=False), lse
 
 

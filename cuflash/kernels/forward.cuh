@@ -48,11 +48,6 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     static_assert(Br % RG == 0 && Bc % TC == 0 && E % TC == 0 && D % TC == 0, "unsupported tile shape");
     static_assert(CPT <= 32, "hidden-key bits must fit one word");
     constexpr Acc kLn2 = Acc(0.6931471805599453);
-    // A lane's output columns (LaneColumns): runs of R adjacent ones (at most 16 bytes of V), run s at chunk
-    // tx + TC * s, so the 16 lanes of a row group read 16 consecutive runs of V's row with each load.
-    using OutColumns = LaneColumns<T, EPT>;
-    constexpr int R = OutColumns::R;
-    const auto out_column = [](int lane, int c) { return OutColumns::column(lane, c); };
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
@@ -107,23 +102,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                 load_tile<T, Bc, E, Smem::LDV, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
                                                         ops.v.col, cols, (int)e, flags & kVectorV);
             __syncthreads();
-            // A 16-byte chunk of each of the thread's Q rows and K rows feeds V * RPT * CPT FMAs (columns past
-            // width are zero in both tiles).
-            constexpr int V = 16 / (int)sizeof(T);
-#pragma unroll 1  // a body of V * RPT * CPT FMAs is work enough; one copy keeps registers and code small
-            for (int x = 0; x < width; x += V) {
-                Acc q_x[RPT][V], k_x[CPT][V];
-#pragma unroll
-                for (int a = 0; a < RPT; ++a) load_run<V>(&Q_s[(ty + RG * a) * Smem::LDQ + x], q_x[a]);
-#pragma unroll
-                for (int c = 0; c < CPT; ++c) load_run<V>(&K_s[(tx + TC * c) * Smem::LDK + x], k_x[c]);
-#pragma unroll
-                for (int t = 0; t < V; ++t)
-#pragma unroll
-                    for (int a = 0; a < RPT; ++a)
-#pragma unroll
-                        for (int c = 0; c < CPT; ++c) S[a][c] += q_x[a][t] * k_x[c][t];
-            }
+            tile_product<RPT, CPT, RG, Smem::LDQ, Smem::LDK>(S, Q_s, K_s, width, ty, tx);
         }
 
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
@@ -177,30 +156,9 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         }
         __syncthreads();
 
-        // O_i += P_ij V_j, a 16-byte chunk of each P row at a time; each lane owns EPT output columns in runs of
-        // R adjacent ones (out_column), read from V_j's row a run per load. On partial tiles hidden keys are
-        // skipped by selection (keys past cols are hidden there, and their V rows zero).
-        constexpr int VP = 16 / (int)sizeof(Acc);
-#pragma unroll 1
-        for (int j = 0; j < cols; j += VP) {
-            Acc p_j[RPT][VP];
-#pragma unroll
-            for (int a = 0; a < RPT; ++a) load_run<VP>(&P_s[(ty + RG * a) * Smem::LDP + j], p_j[a]);
-#pragma unroll
-            for (int t = 0; t < VP; ++t) {
-                Acc v_j[EPT / R][R];
-#pragma unroll
-                for (int s = 0; s < EPT / R; ++s)
-                    load_run<R>(&V_s[(j + t) * Smem::LDV + out_column(tx, s * R)], v_j[s]);
-#pragma unroll
-                for (int a = 0; a < RPT; ++a)
-#pragma unroll
-                    for (int c = 0; c < EPT; ++c) {
-                        const Acc o = O_i[a][c] + p_j[a][t] * v_j[c / R][c % R];
-                        O_i[a][c] = (partial && p_j[a][t] < Acc(0)) ? O_i[a][c] : o;
-                    }
-            }
-        }
+        // O_i += P_ij V_j, a chunk of each P row at a time, V_j's rows in each lane's runs of columns; on partial
+        // tiles hidden keys are skipped by selection (keys past cols are hidden there, and their V rows zero).
+        weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDV>(O_i, P_s, P_s, V_s, cols, partial, ty, tx);
     }
 
     // O_i / l_i and lse = ln(sum of exp) = (m_i + log2 l_i) * ln 2; a row that saw no key gives 0 and -inf.
@@ -212,7 +170,7 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
         const bool nothing_visible = l_i[a] == Acc(0);
 #pragma unroll
         for (int c = 0; c < EPT; ++c) {
-            const int col = out_column(tx, c);
+            const int col = LaneColumns<T, EPT>::column(tx, c);  // the runs weighted_rows reads
             if (col < e)
                 out[ops.base.of[kOut] + i * ops.out.row + col * ops.out.col] =
                     from_acc<O>(nothing_visible ? Acc(0) : O_i[a][c] / l_i[a]);

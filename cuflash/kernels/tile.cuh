@@ -145,6 +145,74 @@ template <typename T, int PerLane> struct LaneColumns {
     }
 };
 
+// The CUDA-core kernels' two tile products.
+
+// out[R][C] += X_rows . Y_rows over `width` columns of two shared tiles, as S = Q K^T: a 16-byte
+// chunk of each of the thread's X rows (ty + RG a, pitch LDX) and Y rows (tx + 16 c, pitch LDY) feeds
+// V * R * C FMAs (columns past width are zero in both tiles, up to their whole chunks).
+template <int R, int C, int RG, int LDX, int LDY, typename T, typename Acc>
+__device__ __forceinline__ void tile_product(Acc (&out)[R][C], const T* X, const T* Y, int width, int ty, int tx) {
+    constexpr int V = 16 / (int)sizeof(T);
+#pragma unroll 1  // a body of V * R * C FMAs is work enough; one copy keeps registers and code small
+    for (int x = 0; x < width; x += V) {
+        Acc x_x[R][V], y_x[C][V];
+#pragma unroll
+        for (int a = 0; a < R; ++a) load_run<V>(&X[(ty + RG * a) * LDX + x], x_x[a]);
+#pragma unroll
+        for (int c = 0; c < C; ++c) load_run<V>(&Y[(tx + kLanesPerRow * c) * LDY + x], y_x[c]);
+#pragma unroll
+        for (int t = 0; t < V; ++t)
+#pragma unroll
+            for (int a = 0; a < R; ++a)
+#pragma unroll
+                for (int c = 0; c < C; ++c) out[a][c] += x_x[a][t] * y_x[c][t];
+    }
+}
+
+// out[R][C] += W_rows . Y over the `count` swept columns, as O += P V: W (pitch LDW) one of the
+// shared P, dS tiles, a 16-byte chunk of each of the thread's rows (ty + RG a) at a time; Y's rows (pitch LDY) the
+// swept tile's, each read in the lane's runs of columns (LaneColumns<T, C>). count is rounded up to whole chunks:
+// past it W is 0 or hidden and Y's rows are zero. Careful (partial tiles): the pairs hidden in P (P < 0) are
+// skipped by selection, so a non-finite Y row never meets a hidden pair's weight.
+template <bool Careful, int R, int C, int RG, int LDW, int LDY, typename T, typename Acc>
+__device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, const Acc* P, const T* Y, int count,
+                                              int ty, int tx) {
+    using Columns = LaneColumns<T, C>;
+    constexpr int VW = 16 / (int)sizeof(Acc), RY = Columns::R;
+#pragma unroll 1
+    for (int j = 0; j < count; j += VW) {
+        Acc w_j[R][VW], p_j[R][VW];
+#pragma unroll
+        for (int a = 0; a < R; ++a) {
+            load_run<VW>(&W[(ty + RG * a) * LDW + j], w_j[a]);
+            if constexpr (Careful) load_run<VW>(&P[(ty + RG * a) * LDW + j], p_j[a]);
+        }
+#pragma unroll
+        for (int t = 0; t < VW; ++t) {
+            Acc y_j[C / RY][RY];
+#pragma unroll
+            for (int s = 0; s < C / RY; ++s) load_run<RY>(&Y[(j + t) * LDY + Columns::column(tx, s * RY)], y_j[s]);
+#pragma unroll
+            for (int a = 0; a < R; ++a)
+#pragma unroll
+                for (int c = 0; c < C; ++c) {
+                    const Acc o = out[a][c] + w_j[a][t] * y_j[c / RY][c % RY];
+                    out[a][c] = (Careful && p_j[a][t] < Acc(0)) ? out[a][c] : o;
+                }
+        }
+    }
+}
+
+// The same, Careful where the tile is partial.
+template <int R, int C, int RG, int LDW, int LDY, typename T, typename Acc>
+__device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, const Acc* P, const T* Y, int count,
+                                              bool partial, int ty, int tx) {
+    if (partial)
+        weighted_rows<true, R, C, RG, LDW, LDY>(out, W, P, Y, count, ty, tx);
+    else
+        weighted_rows<false, R, C, RG, LDW, LDY>(out, W, P, Y, count, ty, tx);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Predicated tile loads: Rows x Cols elements into shared memory (row pitch LD), zero outside rows x cols.
 
