@@ -2,8 +2,8 @@
 // in the SIMT emulator (CUFLASH_SIMT) a twin with exactly the instruction's per-lane semantics, written from the
 // PTX ISA's fragment layouts, run as a warp collective (every lane of the warp must reach it, as .sync.aligned
 // demands on the GPU). Registers are `unsigned` (32 bits; NVRTC has no <cstdint>). Wrappers only the tests use
-// (mma.m16n8k8, ldmatrix .x1/.x2, cp.async.ca, wait_all) are written the same way beside those tests, in
-// tests/simt_kernels/ptx_extra.cuh.
+// (mma.m16n8k8 with f16 inputs, ldmatrix .x1/.x2, cp.async.ca, wait_all) are written the same way beside those
+// tests, in tests/simt_kernels/ptx_extra.cuh.
 //
 // Notation of the layouts below: g = lane / 4 (groupID), t = lane % 4 (thread in group); a 32-bit register of
 // .f16x2/.bf16x2 holds its lower-numbered element in the low half.
@@ -49,6 +49,22 @@ template <bool BF16> struct M16N8K16 {
   }
   static double elem(const unsigned* regs, int e) { return (double)elem16(regs[e >> 1], e & 1, BF16); }
 };
+// m16n8k8, tf32 inputs: one element per register.
+struct M16N8K8_TF32 {
+  static constexpr int K = 8, NA = 4, NB = 2;
+  static void a_pos(int lane, int e, int& row, int& k) {
+    int g = lane >> 2, t = lane & 3;
+    row = g + 8 * (e & 1); k = t + 4 * (e >> 1);                                    // a0..a3: one per register
+  }
+  static void b_pos(int lane, int e, int& k, int& col) {
+    int g = lane >> 2, t = lane & 3;
+    col = g;
+    k = t + 4 * e;                                                                  // b0, b1
+  }
+  static double elem(const unsigned* regs, int e) {
+    return (double)__uint_as_float(regs[e] & 0xffffe000u);  // tf32: the low 13 bits are ignored
+  }
+};
 // C/D, the same for every shape: (row, col).
 inline void cd_pos(int lane, int e, int& row, int& col) {
   row = (lane >> 2) + 8 * (e >> 1);
@@ -90,6 +106,43 @@ template <class S> inline void mma(float* d, const unsigned* a, const unsigned* 
                                    const char* file, int line) {
   static const ::cuflash_simt::Collective op{name, run_mma<S>};
   MmaLane me{d, a, b, c};
+  ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, file, line);
+}
+
+// mma.m8n8k4 with f64 everywhere: one element of A, one of B and two of C/D per lane (g = lane / 4, t = lane % 4):
+// a is A's (row g, col t), b is B's (row t, col g), c[e] and d[e] are (row g, col 2t + e). Each D element is a
+// chain of IEEE float64 fused multiply-adds in k order, d = fma(a3, b3, fma(a2, b2, fma(a1, b1, fma(a0, b0, c)))):
+// the ISA does not fix the order of the four products (or how they are rounded); the hardware test
+// (tests/simt/test_hardware.py) compares this choice with the GPU bit for bit.
+struct MmaF64Lane { double* d; double a, b; const double* c; };
+inline void run_mma_f64(void* const* lanes, unsigned) {
+  double A[8][4], B[4][8], C[8][8];
+  for (int lane = 0; lane < 32; lane++) {
+    const MmaF64Lane& L = *(const MmaF64Lane*)lanes[lane];
+    int g = lane >> 2, t = lane & 3;
+    A[g][t] = L.a;
+    B[t][g] = L.b;
+    for (int e = 0; e < 2; e++) C[g][2 * t + e] = L.c[e];
+  }
+  // Every C read before any D written: d and c may be the same registers. -ftz flushes float32 alone: float64
+  // subnormals stay, so the emulator's flush-to-zero mode (MXCSR's FTZ and DAZ) is off while this computes.
+  const unsigned mxcsr = ::cuflash_simt::get_mxcsr();
+  ::cuflash_simt::set_mxcsr(mxcsr & ~0x8040u);
+  for (int lane = 0; lane < 32; lane++) {
+    const MmaF64Lane& L = *(const MmaF64Lane*)lanes[lane];
+    int g = lane >> 2, t = lane & 3;
+    for (int e = 0; e < 2; e++) {
+      int col = 2 * t + e;
+      double acc = C[g][col];
+      for (int k = 0; k < 4; k++) acc = std::fma(A[g][k], B[k][col], acc);
+      L.d[e] = acc;
+    }
+  }
+  ::cuflash_simt::set_mxcsr(mxcsr);
+}
+inline void mma_f64(double* d, double a, double b, const double* c, const char* file, int line) {
+  static const ::cuflash_simt::Collective op{"mma.m8n8k4.f64", run_mma_f64};
+  MmaF64Lane me{d, a, b, c};
   ::cuflash_simt::warp_collective(&op, 0xffffffffu, &me, file, line);
 }
 
@@ -193,6 +246,56 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned 
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
   twin::mma<twin::M16N8K16<true>>(d, a, b, c, "mma.m16n8k16.bf16", file, line);
+#endif
+}
+
+// m16n8k8, tf32 inputs (f32 bit patterns; the low 13 mantissa bits are ignored). A: a[r] is (row g + 8(r&1),
+// col t + 4(r>>1)); B: b[r] is (row t + 4r, col g).
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                 const float (&c)[4] CUFLASH_PTX_CALLER) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#else
+  twin::mma<twin::M16N8K8_TF32>(d, a, b, c, "mma.m16n8k8.tf32", file, line);
+#endif
+}
+
+// ---- mma.sync m8n8k4 with f64 A, B, C and D: D (8 x 8) = A (8 x 4, row-major) * B (4 x 8, column-major) + C -----
+// a is A's (row g, col t), b is B's (row t, col g), c[e] and d[e] are (row g, col 2t + e); the emulator's twin
+// computes each element as a chain of fused multiply-adds in k order (twin::run_mma_f64, which see).
+__device__ __forceinline__ void mma_m8n8k4_f64(double (&d)[2], double a, double b,
+                                               const double (&c)[2] CUFLASH_PTX_CALLER) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%4,%5};\n"
+               : "=d"(d[0]), "=d"(d[1])
+               : "d"(a), "d"(b), "d"(c[0]), "d"(c[1]));
+#else
+  twin::mma_f64(d, a, b, c, file, line);
+#endif
+}
+
+// ---- cvt.rna.tf32.f32: a float rounded to tf32 (10 explicit mantissa bits), ties away from zero ----------------
+// The result is a .b32 holding the tf32 value as the tf32 mma takes it: a float's bit pattern with the low 13 bits
+// zero (NaN aside). Not volatile: it is pure, and the compiler may merge or hoist it. The twin is written from the
+// ISA: a finite x rounds its magnitude's bits, (bits + 0x1000) & 0xffffe000 (a carry into the exponent gives the
+// next binade, or inf past the largest float); inf stays inf with its sign; NaN gives the canonical NaN
+// 0x7fffffff. The hardware test (tests/simt/test_hardware.py) compares it with the GPU bit for bit.
+__device__ __forceinline__ unsigned cvt_rna_tf32(float x CUFLASH_PTX_CALLER) {
+#if defined(__CUDA_ARCH__)
+  unsigned y;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(y) : "f"(x));
+  return y;
+#else
+  (void)file;
+  (void)line;
+  const unsigned bits = __float_as_uint(x), sign = bits & 0x80000000u, mag = bits & 0x7fffffffu;
+  if (mag > 0x7f800000u) return 0x7fffffffu;                                      // NaN: the canonical NaN
+  if (mag == 0x7f800000u) return bits;                                            // +-inf
+  return sign | ((mag + 0x1000u) & 0xffffe000u);
 #endif
 }
 

@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import simt_util
-from ptx_cases import ALL_NAMES, LDM_NAMES, MMA_NAMES, ldmatrix_case, mma_case, tile_case
+from ptx_cases import (ALL_NAMES, CVT_NAME, F64_NAME, LDM_NAMES, MMA_NAMES, cvt_case, ldmatrix_case, mma_case,
+                       mma_f64_case, tile_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -77,6 +78,33 @@ def test_mma_registers_match_hardware(gpu, emu, kind, seed):
     inputs, want = mma_case(kind, np.random.default_rng(seed))  # integer values: exact on both
     (dev,), (host,) = both(gpu, emu, MMA_NAMES[kind], 32, inputs, [np.zeros((32, 4), np.float32)])
     np.testing.assert_array_equal(dev, host)
+    np.testing.assert_array_equal(dev, want)
+
+
+def assert_same_bits(dev, host, inputs):
+    """Per lane (or element), bit for bit; else the first differing ones: index, that lane's inputs, GPU, emulator."""
+    dtype = np.uint64 if dev.dtype == np.float64 else np.uint32
+    d, h = dev.view(dtype), host.view(dtype)
+    bad = np.argwhere(d != h)
+    assert bad.size == 0, [(i.tolist(), [x[i[0]].tolist() for x in inputs], hex(d[tuple(i)]), hex(h[tuple(i)]))
+                           for i in bad[:8]]
+
+
+@pytest.mark.parametrize("integers,scale", [(True, 0), (False, 0), (False, -520)])  # -520: float64 subnormals
+@pytest.mark.parametrize("in_place", [0, 1])
+def test_mma_f64_registers_match_hardware(gpu, emu, integers, scale, in_place):
+    # Bit for bit: this decides the order of the four products the emulator's fma chain assumes (ptx.cuh).
+    inputs, want = mma_f64_case(np.random.default_rng(4), integers, scale)
+    (dev,), (host,) = both_scalar_last(gpu, emu, F64_NAME, 32, inputs, [np.zeros((32, 2))], np.int32(in_place))
+    assert_same_bits(dev, host, inputs)
+    np.testing.assert_array_equal(dev.view(np.uint64), want.view(np.uint64))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cvt_rna_tf32_matches_hardware(gpu, emu, seed):
+    bits, want = cvt_case(np.random.default_rng(seed))
+    (dev,), (host,) = both_scalar_last(gpu, emu, CVT_NAME, 128, (bits,), [np.zeros_like(bits)], np.int32(bits.size))
+    assert_same_bits(dev, host, (bits,))
     np.testing.assert_array_equal(dev, want)
 
 

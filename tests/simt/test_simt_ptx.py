@@ -1,14 +1,18 @@
 """The PTX wrappers of cuflash/kernels/ptx.cuh and the tests' own (tests/simt_kernels/ptx_extra.cuh) in the
-emulator: per-lane fragment layouts of mma and ldmatrix against the PTX ISA's tables, a whole mma fed from shared
-memory by cp.async and ldmatrix against NumPy matmul, cp.async landing only at its wait, misuse reported, and the
-same source compiling under NVRTC."""
+emulator: per-lane fragment layouts of mma and ldmatrix against the PTX ISA's tables, the float64 mma and the
+tf32 rounding bit for bit against exact references, a whole mma fed from shared memory by cp.async and ldmatrix
+against NumPy matmul, cp.async landing only at its wait, misuse reported, and the same source compiling under
+NVRTC."""
+
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
 import pytest
 import simt_util
 from hypothesis import given, settings, strategies as st
-from ptx_cases import (ALL_NAMES, LDM_NAMES, MMA_NAMES, ldmatrix_case, mma_case, tile_case)
+from ptx_cases import (ALL_NAMES, CVT_NAME, F64_NAME, LDM_NAMES, MMA_NAMES, cvt_case, cvt_rna_tf32, f64_matrices,
+                       fma_chain, ldmatrix_case, mma_case, mma_f64_case, tile_case)
 
 from cuflash import simt
 
@@ -45,6 +49,76 @@ def test_mma_tf32_ignores_low_mantissa_bits(mod):
     a_regs, b_regs, c = inputs
     noisy = (a_regs | 0x1FFF * (a_regs != 0)).astype(np.uint32), (b_regs | 0x0FFF * (b_regs != 0)).astype(np.uint32)
     np.testing.assert_array_equal(run_mma(mod, 3, (noisy[0], noisy[1], c)), want)
+
+
+def run_mma_f64(mod, inputs, in_place):
+    a, b, c = inputs
+    d = np.full((32, 2), np.nan)
+    mod.get_function(F64_NAME)((1,), (32,), (a, b, c, d, np.int32(in_place)))
+    return d
+
+
+def assert_same_bits(got, want):
+    """Bit for bit (so -0 is not 0 and the last place counts), naming the first differing lanes."""
+    dtype = np.uint64 if got.dtype == np.float64 else np.uint32
+    g, w = got.view(dtype), want.view(dtype)
+    bad = np.argwhere(g != w)
+    assert bad.size == 0, [(i.tolist(), hex(g[tuple(i)]), hex(w[tuple(i)])) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("in_place", [0, 1])
+@pytest.mark.parametrize("seed", range(3))
+def test_mma_f64_fragment_layout_exact(mod, seed, in_place):
+    inputs, want = mma_f64_case(np.random.default_rng(seed))  # integers: every step exact
+    assert_same_bits(run_mma_f64(mod, inputs, in_place), want)
+
+
+@pytest.mark.parametrize("in_place", [0, 1])
+@pytest.mark.parametrize("scale", [0, -520])  # -520: products and C among float64's subnormals
+def test_mma_f64_random_values_bit_for_bit(mod, in_place, scale):
+    inputs, want = mma_f64_case(np.random.default_rng(30 - scale), integers=False, scale=scale)
+    assert_same_bits(run_mma_f64(mod, inputs, in_place), want)
+    if scale:  # among subnormals each fma rounds its product alone to a multiple of 2^-1074: any order agrees
+        return
+    # The case tells the fma chain in k order from the same chain reversed and from one rounding of the exact sum.
+    A, B, C = f64_matrices(*inputs)
+    assert (fma_chain(A, B, C, order=(3, 2, 1, 0)) != fma_chain(A, B, C)).any()
+    once = np.array([[float(Fraction(C[r, j]) + sum(Fraction(A[r, k]) * Fraction(B[k, j]) for k in range(4)))
+                      for j in range(8)] for r in range(8)])
+    assert (once != fma_chain(A, B, C)).any()
+
+
+def run_cvt(mod, bits):
+    out = np.full(bits.size, 0xDEADBEEF, np.uint32)
+    mod.get_function(CVT_NAME)((2,), (128,), (bits, out, np.int32(bits.size)))
+    return out
+
+
+# cvt.rna.tf32.f32 by hand, from the ISA: (input bits, result bits).
+CVT_BY_HAND = [
+    (0x3F801000, 0x3F802000), (0xBF801000, 0xBF802000),  # 1 + 2^-11, a tie at an even tf32: away from zero
+    (0x3F803000, 0x3F804000), (0x3F800FFF, 0x3F800000),  # a tie at an odd one; just below a tie
+    (0x3F801001, 0x3F802000), (0x3FFFF000, 0x40000000),  # just above; a carry into the exponent: 2
+    (0x7F7FEFFF, 0x7F7FE000), (0x7F7FF000, 0x7F800000),  # the largest tf32; past it, inf
+    (0xFF7FF000, 0xFF800000), (0x00001000, 0x00002000),  # -inf; a subnormal tie
+    (0x00000FFF, 0x00000000), (0x80000FFF, 0x80000000),  # subnormals to zero, keeping the sign
+    (0x007FF000, 0x00800000), (0x00000000, 0x00000000),  # the largest subnormals round up to 2^-126
+    (0x7F800000, 0x7F800000), (0xFF800000, 0xFF800000),  # infs stay
+    (0x7F800001, 0x7FFFFFFF), (0xFFC00000, 0x7FFFFFFF),  # NaNs: the canonical NaN
+    (0x7FBFF000, 0x7FFFFFFF), (0x7F801000, 0x7FFFFFFF),  # a signalling NaN; one rounding would turn into inf
+]
+
+
+def test_cvt_rna_tf32_by_hand(mod):
+    bits, want = (np.array(column, np.uint32) for column in zip(*CVT_BY_HAND))
+    assert_same_bits(cvt_rna_tf32(bits), want)  # the NumPy reference the random cases use
+    assert_same_bits(run_cvt(mod, bits), want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cvt_rna_tf32_bit_for_bit(mod, seed):
+    bits, want = cvt_case(np.random.default_rng(seed))
+    assert_same_bits(run_cvt(mod, bits), want)
 
 
 @pytest.mark.parametrize("name", LDM_NAMES)

@@ -2,7 +2,8 @@
 // cuflash/kernels/ptx.cuh writes its own: the asm under __CUDA_ARCH__, otherwise the emulator's twin from the PTX
 // ISA, in namespace cuflash::ptx on ptx.cuh's twin machinery and wrapper macros. The source strings of the test
 // kernels put it right after ptx.cuh (tests/simt/simt_util.py), so the emulator, NVRTC and the GPU check
-// (tests/simt/test_hardware.py) all take it.
+// (tests/simt/test_hardware.py) all take it. A wrapper moves into ptx.cuh once a kernel calls it (so did mma.m16n8k8
+// with tf32 inputs, and its shape M16N8K8_TF32).
 #ifndef CUFLASH_PTX_EXTRA_CUH
 #define CUFLASH_PTX_EXTRA_CUH
 
@@ -12,7 +13,7 @@ namespace ptx {
 #if !defined(__CUDA_ARCH__)
 namespace twin {
 
-// The m16n8k8 shapes, as ptx.cuh's M16N8K16 (which see).
+// The m16n8k8 shape with f16 inputs, as ptx.cuh's M16N8K16 and M16N8K8_TF32 (which see).
 // m16n8k8, f16 inputs: two elements per register, element e in register e/2; B is m16n8k16's first register.
 struct M16N8K8_F16 {
   static constexpr int K = 8, NA = 4, NB = 2;
@@ -24,27 +25,11 @@ struct M16N8K8_F16 {
   static void b_pos(int lane, int e, int& k, int& col) { M16N8K16<false>::b_pos(lane, e, k, col); }  // b0,b1
   static double elem(const unsigned* regs, int e) { return (double)elem16(regs[e >> 1], e & 1, false); }
 };
-// m16n8k8, tf32 inputs: one element per register.
-struct M16N8K8_TF32 {
-  static constexpr int K = 8, NA = 4, NB = 2;
-  static void a_pos(int lane, int e, int& row, int& k) {
-    int g = lane >> 2, t = lane & 3;
-    row = g + 8 * (e & 1); k = t + 4 * (e >> 1);                                    // a0..a3: one per register
-  }
-  static void b_pos(int lane, int e, int& k, int& col) {
-    int g = lane >> 2, t = lane & 3;
-    col = g;
-    k = t + 4 * e;                                                                  // b0, b1
-  }
-  static double elem(const unsigned* regs, int e) {
-    return (double)__uint_as_float(regs[e] & 0xffffe000u);  // tf32: the low 13 bits are ignored
-  }
-};
 
 }  // namespace twin
 #endif  // !__CUDA_ARCH__
 
-// ---- mma.sync m16n8k8 (the notation and m16n8k16 are in ptx.cuh) ----------------------------------------------
+// ---- mma.sync m16n8k8 with f16 inputs (the notation, m16n8k16 and m16n8k8 with tf32 inputs are in ptx.cuh) -----
 // m16n8k8, f16 inputs. A: a[r] holds (row g + 8r, cols 2t + {0,1}); B: b[0] holds (rows 2t + {0,1}, col g).
 __device__ __forceinline__ void mma_m16n8k8_f16(float (&d)[4], const unsigned (&a)[2], const unsigned (&b)[1],
                                                 const float (&c)[4] CUFLASH_PTX_CALLER) {
@@ -55,21 +40,6 @@ __device__ __forceinline__ void mma_m16n8k8_f16(float (&d)[4], const unsigned (&
       : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 #else
   twin::mma<twin::M16N8K8_F16>(d, a, b, c, "mma.m16n8k8.f16", file, line);
-#endif
-}
-
-// m16n8k8, tf32 inputs (f32 bit patterns; the low 13 mantissa bits are ignored). A: a[r] is (row g + 8(r&1),
-// col t + 4(r>>1)); B: b[r] is (row t + 4r, col g).
-__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
-                                                 const float (&c)[4] CUFLASH_PTX_CALLER) {
-#if defined(__CUDA_ARCH__)
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-#else
-  twin::mma<twin::M16N8K8_TF32>(d, a, b, c, "mma.m16n8k8.tf32", file, line);
 #endif
 }
 

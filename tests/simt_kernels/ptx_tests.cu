@@ -22,6 +22,26 @@ __global__ void mma_regs(const unsigned* a_regs, const unsigned* b_regs, const f
   for (int i = 0; i < 4; i++) d_regs[4 * lane + i] = d[i];
 }
 
+// One mma.m8n8k4.f64 per warp: a[lane], b[lane] and c[lane][2] in, d[lane][2] out; in_place: the mma writes D
+// over its C registers (d and c the same array), as an accumulating kernel does.
+__global__ void mma_f64_regs(const double* a, const double* b, const double* c, double* d, int in_place) {
+  int lane = threadIdx.x;
+  double acc[2] = {c[2 * lane], c[2 * lane + 1]}, out[2];
+  if (in_place) {
+    cuflash::ptx::mma_m8n8k4_f64(acc, a[lane], b[lane], acc);
+    for (int i = 0; i < 2; i++) out[i] = acc[i];
+  } else {
+    cuflash::ptx::mma_m8n8k4_f64(out, a[lane], b[lane], acc);
+  }
+  for (int i = 0; i < 2; i++) d[2 * lane + i] = out[i];
+}
+
+// cvt.rna.tf32.f32 of n float bit patterns, a grid-stride loop (any launch shape): out[i] is bits[i]'s result.
+__global__ void cvt_tf32_regs(const unsigned* bits, unsigned* out, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    out[i] = cuflash::ptx::cvt_rna_tf32(__uint_as_float(bits[i]));
+}
+
 // ldmatrix of N 8x8 b16 matrices from a 32-row x 8-column shared tile (row j*8+r of the tile is row r of
 // matrix j); lane L points at tile row perm[L] (a permutation tests that addresses, not lane order, decide).
 // Out: regs[lane][N].
