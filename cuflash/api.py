@@ -17,6 +17,7 @@ from numpy.typing import ArrayLike
 
 from . import backends
 from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
+from .family import check_precision as _check_precision
 from .problem import SIGNATURE, Problem, Window, default_scale
 
 if TYPE_CHECKING:
@@ -36,20 +37,20 @@ Block = Union[Tuple[int, int], str, "BlockConfig", None]
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               out: Optional[Array] = None, return_lse: Literal[False] = False, backend: Optional[str] = None,
-              block: Block = None) -> Array: ...
+              block: Block = None, precision: Optional[str] = None) -> Array: ...
 
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               out: Optional[Array] = None, return_lse: Union[Literal[True], np.bool_], backend: Optional[str] = None,
-              block: Block = None) -> Tuple[Array, Array]: ...
+              block: Block = None, precision: Optional[str] = None) -> Tuple[Array, Array]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               out: Optional[Array] = None, return_lse: Flag = False, backend: Optional[str] = None,
-              block: Block = None) -> Union[Array, Tuple[Array, Array]]:
+              block: Block = None, precision: Optional[str] = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
 
     A generalized ufunc with signature (n,d),(m,d),(m,e)->(n,e): leading dimensions of q, k, v, mask and bias
@@ -68,18 +69,22 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
     backend: None picks from the arrays' module ("numpy" for NumPy arrays, "cupy" for CuPy arrays);
         "numpy", "cupy" or "simt" forces one.
     block: (Br, Bc) query and key tile sizes for the backend (see the README for each backend's use).
+    precision: how the GPU kernels compute float32: None or "highest" (float32-exact: on tensor cores only as
+        3xTF32, else on CUDA cores), "tf32" (one TF32 tensor-core pass: faster, less exact) or "fma" (CUDA cores,
+        never tensor cores). float64 and the 16-bit types ignore it except "fma". The numpy backend computes the
+        same whatever it is.
 
     Returns out, or (out, lse) with return_lse=True.
     """
     xp = array_module(q, k, v, mask, bias, out)
     # CuPy allocates and launches on the current device: make it the operands' one for casts, out and lse.
     with device_of(xp, (q, k, v, mask, bias, out)):
-        return _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block)
+        return _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block, precision)
 
 
-def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block):
+def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block, precision):
     return_lse = check_flag(return_lse, "return_lse")
-    problem, (q, k, v, mask, bias) = make_problem(xp, q, k, v, scale, causal, window, mask, bias, (out,))
+    problem, (q, k, v, mask, bias) = make_problem(xp, q, k, v, scale, causal, window, mask, bias, (out,), precision)
     batch, n = problem.batch, problem.n
     runner = backends.get(backend, xp)
     result, target = output_for(problem, out, (q, k, v, mask, bias))
@@ -95,7 +100,8 @@ def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, 
 def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike, /,
                        *, scale: Optional[Scalar] = None, causal: Flag = False, window: Optional[WindowSides] = None,
                        mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None, bias_grad: Flag = False,
-                       backend: Optional[str] = None, block: Block = None) -> Tuple[Array, ...]:
+                       backend: Optional[str] = None, block: Block = None,
+                       precision: Optional[str] = None) -> Tuple[Array, ...]:
     """The gradients (dq, dk, dv), and dbias with bias_grad=True, of attention's result given dout, the gradient
     of a loss with respect to it.
 
@@ -104,18 +110,19 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     shared by a group of query heads get the group's sum, and a bias broadcast over the batch its sum over the
     batch. Gradients have the forward's result dtype; 16- and 32-bit inputs accumulate in float32, float64 in
     float64. Hidden keys (causal, window, mask, -inf bias) get exactly zero gradient, and a NaN or inf in a
-    hidden key or value never reaches a gradient. Deterministic: the same inputs give the same bits."""
+    hidden key or value never reaches a gradient. Deterministic: the same inputs give the same bits. precision:
+    as attention's, for the backward's kernels."""
     xp = array_module(q, k, v, mask, bias, out, lse, dout)
     with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):
         return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, bias_grad,
-                                   backend, block)
+                                   backend, block, precision)
 
 
 def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, bias_grad, backend,
-                        block):
+                        block, precision):
     bias_grad = check_flag(bias_grad, "bias_grad")
     saved = [as_array(x, xp, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse"))]
-    problem, operands = make_problem(xp, q, k, v, scale, causal, window, mask, bias, saved)
+    problem, operands = make_problem(xp, q, k, v, scale, causal, window, mask, bias, saved, precision)
     if bias_grad and problem.bias is None:
         raise ValueError(f"{NAME}_backward: bias_grad=True asks for the gradient of the bias, but no bias= was "
                          f"given; pass the forward call's bias")
@@ -153,7 +160,7 @@ def sum_to(x, shape):
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=()):
+def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), precision=None):
     """The Problem of a call's arguments, checked by NumPy's rules, and the operands as arrays (their own shapes:
     the backward sums each gradient back to them). others: further arrays whose dtypes take part in the
     bfloat16 check (out=, the backward's saved tensors)."""
@@ -175,6 +182,7 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=()):
         window=visibility_window(window, causal),
         xp=xp,
         bias_hides=bias_may_hide(bias, xp),
+        precision=check_precision(precision, dtype),
     )
     return problem, (q, k, v, mask, bias)
 
@@ -353,6 +361,12 @@ def check_scale(scale, d):
         shown = scale if len(str(scale)) < 40 else f"a number of {len(str(scale))} digits"
         raise ValueError(f"{NAME}: scale must be a finite real number, got {shown}")
     return value
+
+
+def check_precision(precision, dtype, name=NAME):
+    """precision= as the Problem carries it: None -> "highest", and "tf32" -> "highest" for any dtype but
+    float32; anything but None, "highest", "tf32" or "fma" is an error (family.check_precision, the one rule)."""
+    return _check_precision(precision, dtype, name)
 
 
 def check_flag(value, name):

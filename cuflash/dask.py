@@ -32,7 +32,7 @@ NAME = "cuflash.dask.attention"
 
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None, return_lse=False,
-              backend=None, block=None, split_every: Optional[int] = None):
+              backend=None, block=None, precision: Optional[str] = None, split_every: Optional[int] = None):
     """cuflash.attention on Dask arrays (any operand may also be a NumPy or CuPy array): lazy, returns a Dask
     array (and the lse with return_lse=True) chunked as q along the query axis, and along each batch axis as the
     common refinement of the operands' chunks there.
@@ -48,7 +48,8 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     batch, n, m, d, e, dtype = api.core_sizes(*operands)
     xp = api.array_module(*(None if x is None else x._meta for x in operands))  # NumPy and CuPy chunks never mix
     api.check_bfloat16_support(xp, [x.dtype for x in operands if x is not None])
-    settings = dict(scale=api.check_scale(scale, d), backend=backend, block=block)
+    settings = dict(scale=api.check_scale(scale, d), backend=backend, block=block,
+                    precision=api.check_precision(precision, dtype, NAME))
     chunked = Chunked.of(operands, batch)
     graph = Graph(chunked, n, m, api.visibility_window(window, causal), settings, merge_fan_in(split_every))
     out, lse = graph.arrays(dtype)

@@ -25,6 +25,9 @@ FORWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")
 FORWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "left", "right", "flags")
 BACKWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "dout", "lse", "delta", "dq", "dk", "dv", "dbias")
 BACKWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "scale", "left", "right", "flags")
+# precision= (Shape.precision): how float32 may use tensor cores. "highest": float32-exact (3xTF32 on tensor cores,
+# or CUDA cores); "tf32": one TF32 pass; "fma": CUDA cores only, for any dtype.
+PRECISIONS = ("highest", "tf32", "fma")
 
 
 def align16(nbytes: int) -> int:
@@ -32,11 +35,29 @@ def align16(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
 
 
+def check_precision(precision, dtype, name: str) -> str:
+    """precision= checked and normalized for dtype (the one rule, wherever it is given): None is "highest", and
+    "tf32", a float32 choice, is "highest" for the other dtypes (dtype None: not known yet, "tf32" stays).
+    name: the caller, as its errors begin."""
+    choices = ", ".join(map(repr, PRECISIONS))
+    if precision is None:
+        return "highest"
+    if not isinstance(precision, str):
+        raise TypeError(f"{name}: precision must be one of {choices} or None, got {precision!r} "
+                        f"({type(precision).__name__})")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name}: unknown precision {precision!r}; choose one of {choices} or None")
+    if precision == "tf32" and dtype is not None and np.dtype(dtype) != np.float32:
+        return "highest"
+    return str(precision)
+
+
 @dataclass(frozen=True)
 class Shape:
     """What a plan depends on: the element dtype and the head dims d and e, and, when known, the query and key
     counts n, m and the batch size. n or m None: planned for any sequence lengths (no key splits, no decoding
-    choice). A Problem gives its own as Problem.shape."""
+    choice). precision: precision= normalized for the dtype (check_precision; "highest", "tf32" for float32
+    only, or "fma"). A Problem gives its own as Problem.shape."""
 
     dtype: np.dtype
     d: int
@@ -44,13 +65,16 @@ class Shape:
     n: Optional[int] = None
     m: Optional[int] = None
     batch_size: int = 1
+    precision: str = "highest"
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "precision", check_precision(self.precision, self.dtype, "Shape"))
 
     def __str__(self):
         dims = f"d={self.d}" if self.d == self.e else f"d={self.d}, e={self.e}"
-        return f"{dims} {self.dtype.name}"
+        shown = "" if self.precision == "highest" else f", precision={self.precision!r}"
+        return f"{dims} {self.dtype.name}{shown}"
 
 
 @dataclass(frozen=True)

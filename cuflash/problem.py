@@ -77,6 +77,9 @@ class Problem:
         -inf hides its key as the mask does (by selection). bias_hides: the bias may hold -inf, so backends must
         select per element on every tile it covers (False lets them keep the fast path).
     window: the Window (causal included).
+    precision: precision= normalized for dtype (family.check_precision): "highest" (float32-exact: 3xTF32 on
+        tensor cores, or CUDA cores), "tf32" (float32 only: one TF32 tensor-core pass) or "fma" (CUDA cores only).
+        What the planner reads; the numpy backend computes the same either way.
     """
 
     q: Any
@@ -95,6 +98,7 @@ class Problem:
     window: Window
     xp: Any  # numpy or cupy
     bias_hides: bool = False
+    precision: str = "highest"
 
     @property
     def batch_size(self) -> int:
@@ -103,7 +107,7 @@ class Problem:
     @property
     def shape(self) -> Shape:
         """What the planner needs of this problem."""
-        return Shape(self.dtype, self.d, self.e, self.n, self.m, self.batch_size)
+        return Shape(self.dtype, self.d, self.e, self.n, self.m, self.batch_size, self.precision)
 
     @property
     def empty(self) -> bool:

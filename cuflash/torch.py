@@ -31,12 +31,14 @@ NAME = "cuflash.torch.attention"
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
               causal: bool = False, window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-              mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, return_lse: bool = False):
+              mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, return_lse: bool = False,
+              precision: Optional[str] = None):
     """cuflash.attention with the same keywords, on torch tensors (all on one device); differentiable in q, k,
-    v and bias. Returns out, or (out, lse) with return_lse=True."""
+    v and bias (the backward runs with the same precision). Returns out, or (out, lse) with return_lse=True."""
     left, right = (None, None) if window is None else window
     scale = None if scale is None else float(scale)
-    out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right)
+    precision = api.check_precision(precision, None, NAME)  # refused here, traced or not; the dtype's rule in the op
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right, precision)
     return (out, lse) if return_lse else out
 
 
@@ -147,9 +149,10 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return next(t for t, n in DTYPES.items() if n == dtype)
 
 
-def options(mask, bias, scale, causal, left, right) -> dict:
+def options(mask, bias, scale, causal, left, right, precision) -> dict:
     window = None if left is None and right is None else (left, right)
-    return {"mask": to_array(mask), "bias": to_array(bias), "scale": scale, "causal": causal, "window": window}
+    return {"mask": to_array(mask), "bias": to_array(bias), "scale": scale, "causal": causal, "window": window,
+            "precision": precision}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,15 +162,15 @@ def options(mask, bias, scale, causal, left, right) -> dict:
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                       bias: Optional[torch.Tensor], scale: Optional[float], causal: bool, left: Optional[int],
-                      right: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+                      right: Optional[int], precision: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     with on_stream(q.device):
         out, lse = api.attention(to_array(q), to_array(k), to_array(v), return_lse=True,
-                                 **options(mask, bias, scale, causal, left, right))
+                                 **options(mask, bias, scale, causal, left, right, precision))
     return to_tensor(out, q.device), to_tensor(lse, q.device)
 
 
 @attention_forward.register_fake
-def _(q, k, v, mask, bias, scale, causal, left, right):
+def _(q, k, v, mask, bias, scale, causal, left, right, precision=None):
     dtype = common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME)
     shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]] + [pair_batch(x) for x in (mask, bias) if x is not None]
     batch = tuple(torch.broadcast_shapes(*shapes))
@@ -185,37 +188,39 @@ def pair_batch(x: torch.Tensor) -> Tuple[int, ...]:
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                        scale: Optional[float], causal: bool, left: Optional[int], right: Optional[int],
-                       bias_grad: bool) -> List[torch.Tensor]:
+                       bias_grad: bool, precision: Optional[str] = None) -> List[torch.Tensor]:
     with on_stream(q.device):
         grads = api.attention_backward(to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out),
                                        to_array(lse), bias_grad=bias_grad,
-                                       **options(mask, bias, scale, causal, left, right))
+                                       **options(mask, bias, scale, causal, left, right, precision))
     return [to_tensor(g, q.device) for g in grads]
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, mask, bias, scale, causal, left, right, bias_grad):
+def _(dout, q, k, v, out, lse, mask, bias, scale, causal, left, right, bias_grad, precision=None):
     dtype = torch_dtype(common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME))
     operands = (q, k, v) + ((bias,) if bias_grad else ())
     return [x.new_empty(x.shape, dtype=dtype) for x in operands]
 
 
 def setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, scale, causal, left, right = inputs
+    q, k, v, mask, bias, scale, causal, left, right, precision = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, mask, bias, out, lse)
     ctx.params = (scale, causal, left, right)
+    ctx.precision = precision
 
 
 def backward(ctx, dout, _dlse):
     q, k, v, mask, bias, out, lse = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[4]
-    grads = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, mask, bias, *ctx.params, bias_grad)
+    grads = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, mask, bias, *ctx.params, bias_grad,
+                                                 ctx.precision)
     # Autograd wants each gradient in its input's dtype; cuflash gives the forward's result dtype.
     dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     dbias = grads[3].to(bias.dtype) if bias_grad else None
-    return dq, dk, dv, None, dbias, None, None, None, None
+    return dq, dk, dv, None, dbias, None, None, None, None, None
 
 
 attention_forward.register_autograd(backward, setup_context=setup_context)

@@ -139,7 +139,8 @@ def test_public_api_is_typed(tmp_path):
     source = tmp_path / "use.py"
     source.write_text("import numpy as np\nimport cuflash\nq = np.ones((2, 3))\n"
                       "reveal_type(cuflash.attention(q, q, q, return_lse=True))\n"
-                      "out, lse = cuflash.attention(q, q, q, return_lse=True, scale=np.float32(0.5), causal=np.True_)\n"
+                      "out, lse = cuflash.attention(q, q, q, return_lse=True, scale=np.float32(0.5), causal=np.True_,"
+                      " precision='tf32')\n"
                       "cuflash.attention(q, q, q, causal='yes')\n")
     result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), str(source)],
                             capture_output=True, text=True, timeout=300)
