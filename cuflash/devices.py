@@ -33,6 +33,12 @@ class DeviceLimits:
     smem_reserved_per_block: int = 1024  # the system's share of each block's shared memory (sm_80 and later)
 
     @property
+    def fp64_tensor_cores(self) -> bool:
+        """Whether float64 tensor cores (DMMA) run at full rate: the data-center GPUs of compute capability 8.0
+        (A100), 9.0 (H100, H200) and 10.0. Others execute mma.m8n8k4.f64 too, but slowly."""
+        return tuple(self.compute_capability) in ((8, 0), (9, 0), (10, 0))
+
+    @property
     def arch(self) -> str:
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
 

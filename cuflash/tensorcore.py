@@ -1,6 +1,10 @@
 """The tensor-core forward kernel (kernels/forward_mma.cuh, BlockConfig variant "mma") as a Family: who may run
 it, its head-dimension buckets, the shared-memory model (mirrors MmaShared byte for byte), a register estimate,
 the configurations it takes and the candidates the heuristic tries.
+
+It runs float16 and bfloat16 (mma.m16n8k16), float32 on TF32 tensor cores (precision "highest": three passes,
+3xTF32; "tf32": one pass) and float64 on DMMA (mma.m8n8k4) where the GPU has float64 tensor cores. precision
+"fma" keeps every dtype on CUDA cores.
 """
 
 from __future__ import annotations
@@ -9,16 +13,18 @@ from typing import List
 
 from .family import BACKWARD_OPERANDS, BACKWARD_SCALARS, C_TYPES, BlockConfig, Family, Shape, align16
 
-DTYPES = ("float16", "bfloat16")
-MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, cp.async
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+BACKWARD_DTYPES = ("float16", "bfloat16")
+MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, m16n8k8 with tf32, m8n8k4 f64; cp.async
+PASSES = {"highest": 3, "tf32": 1}  # float32's TF32 products per multiply: 3xTF32, or one
 MAX_HEAD_DIM = 256
 HEAD_DIM_STEP = 32  # D and E instantiations are multiples of 32; the actual d, e are run-time values
 ROWS_PER_TILE = 16  # the m of mma.m16n8k16: rows per warp per m16 tile
 TILES_PER_WARP = (1, 2)
 MAX_BC = 128  # a row's hidden-key bits fit one 32-bit word per lane
 STAGES = (2, 3)
-ROW_PAD = 8  # elements of padding per shared-memory row (one 16-byte chunk)
-ITEM = 2  # bytes per element
+ROW_PAD_BYTES = 16  # padding per shared-memory row (one 16-byte chunk)
+ITEM = 2  # bytes per element of the 16-bit types (the backward's)
 # 32-bit registers a thread keeps for S, O_i and Q_i's fragments. ptxas needs about 100 more for addresses,
 # strides and prefetched fragments (tests/test_cubin.py prints its counts): the heuristic stays within the
 # target, which compiles without spills at 200-250 registers; past the limit spills are likely.
@@ -36,28 +42,40 @@ def tiles_per_warp(config: BlockConfig) -> int:
 
 
 def q_in_registers(shape: Shape, config: BlockConfig) -> bool:
-    """Q_i's A fragments stay in registers for the whole sweep when they take at most 32 of them."""
-    return tiles_per_warp(config) * bucket(shape.d) <= 128
+    """Q_i's A fragments stay in registers for the whole sweep when they take at most 32 of them (never for
+    float64, whose accumulators take two registers each)."""
+    item = shape.dtype.itemsize
+    return item <= 4 and tiles_per_warp(config) * bucket(shape.d) * item <= 256
+
+
+def row_pads(shape: Shape) -> tuple:
+    """Elements of padding per row of the Q and K tiles, and of the others (V, O, P): one 16-byte chunk, and 32
+    bytes for Q and K of float64, whose 8-byte fragment loads then fall in different banks (mma::RowPadded)."""
+    item = shape.dtype.itemsize
+    pad = ROW_PAD_BYTES // item
+    return (32 // item if item == 8 else pad), pad
 
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     """Stages K and V tiles, the Q tile (reused for O by the epilogue), and P's scratch rows (in the Q tile's
-    space when Q_i sits in registers); rows padded by one 16-byte chunk. Mirrors MmaShared."""
-    D, E = bucket(shape.d), bucket(shape.e)
-    k = ITEM * config.Bc * (D + ROW_PAD)
-    v = ITEM * config.Bc * (E + ROW_PAD)
-    q = ITEM * config.Br * (max(D, E) + ROW_PAD)
-    p = ITEM * config.warps * ROWS_PER_TILE * (config.Bc + ROW_PAD)
+    space when Q_i sits in registers); rows padded (row_pads). Mirrors MmaShared."""
+    D, E, item = bucket(shape.d), bucket(shape.e), shape.dtype.itemsize
+    qk_pad, pad = row_pads(shape)
+    k = item * config.Bc * (D + qk_pad)
+    v = item * config.Bc * (E + pad)
+    q = item * config.Br * max(D + qk_pad, E + pad)
+    p = item * config.warps * ROWS_PER_TILE * (config.Bc + pad)
     rest = max(q, p) if q_in_registers(shape, config) else q + p
     return config.stages * (k + v) + rest
 
 
 def accumulator_words(shape: Shape, config: BlockConfig) -> int:
-    """Registers per thread for S (Bc/2 per m16 tile), O_i (E/2) and, when kept, Q_i's fragments (D/4)."""
-    mt = tiles_per_warp(config)
-    words = mt * (config.Bc // 2 + bucket(shape.e) // 2)
+    """32-bit registers per thread for S (Bc/2 accumulators per m16 tile), O_i (E/2) and, when kept, Q_i's
+    fragments (D/4 of 16-bit types); float64 accumulators take two registers each."""
+    mt, acc = tiles_per_warp(config), max(1, shape.dtype.itemsize // 4)
+    words = mt * (config.Bc // 2 + bucket(shape.e) // 2) * acc
     if q_in_registers(shape, config):
-        words += mt * bucket(shape.d) // 4
+        words += mt * bucket(shape.d) * shape.dtype.itemsize // 8
     return words
 
 
@@ -69,12 +87,17 @@ def registers_estimate(shape: Shape, config: BlockConfig) -> int:
 # Who may run it, and which configurations
 
 
-def dtype_and_device_reasons(shape: Shape, device, kernel: str = "tensor-core kernel") -> List[str]:
-    """Why `kernel` (a tensor-core kernel) cannot serve this dtype or device at all."""
+def dtype_and_device_reasons(shape: Shape, device, kernel: str = "tensor-core kernel",
+                             dtypes=BACKWARD_DTYPES) -> List[str]:
+    """Why `kernel` (a tensor-core kernel running `dtypes`) cannot serve this dtype or device at all."""
     reasons = []
     dtype = shape.dtype.name
-    if dtype not in DTYPES:
-        reasons.append(f"the {kernel} (variant 'mma') runs float16 and bfloat16, not {dtype}; "
+    if shape.precision == "fma":
+        reasons.append(f"precision='fma' asks for CUDA cores: the {kernel} (variant 'mma') does not run; the "
+                       f"CUDA-core kernel (variant 'fma') does")
+    if dtype not in dtypes:
+        names = ", ".join(dtypes[:-1]) + " and " + dtypes[-1]
+        reasons.append(f"the {kernel} (variant 'mma') runs {names}, not {dtype}; "
                        f"the CUDA-core kernel (variant 'fma') runs {dtype}")
     if tuple(device.compute_capability) < MIN_COMPUTE_CAPABILITY:
         major, minor = device.compute_capability
@@ -85,8 +108,11 @@ def dtype_and_device_reasons(shape: Shape, device, kernel: str = "tensor-core ke
 
 
 def eligibility(shape: Shape, device) -> List[str]:
-    """Why the tensor-core kernel cannot serve this dtype, head dims or device at all (empty: it can)."""
-    reasons = dtype_and_device_reasons(shape, device)
+    """Why the tensor-core kernel cannot serve this dtype, precision, head dims or device at all (empty: it can)."""
+    reasons = dtype_and_device_reasons(shape, device, dtypes=DTYPES)
+    if shape.dtype.name == "float64" and not device.fp64_tensor_cores and not reasons:
+        reasons.append(f"float64 runs on tensor cores (DMMA) only where they are fast, on the A100, H100 and H200 "
+                       f"class; {device.name} has none, so the CUDA-core kernel (variant 'fma') runs float64")
     for name, size in (("d", shape.d), ("e", shape.e)):
         if size > MAX_HEAD_DIM:
             reasons.append(f"head dimension {name}={size} is above {MAX_HEAD_DIM}, the largest the tensor-core "
@@ -110,17 +136,21 @@ def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
 
 
 def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
-    """fwd_mma<T, Br, Bc, D, E, Warps, Stages[, Split]>."""
+    """fwd_mma<T, Br, Bc, D, E, Warps, Stages[, Split[, Passes]]>: float32 always names its TF32 passes."""
     args = [C_TYPES[shape.dtype.name], config.Br, config.Bc, bucket(shape.d), bucket(shape.e), config.warps,
             config.stages]
+    if shape.dtype.name == "float32":
+        return args + ["true" if split else "false", PASSES[shape.precision]]
     return args + ["true"] if split else args
 
 
 # Preference order: 128 query rows with 4 warps of two m16 tiles (each K and V fragment feeds four mma, not
 # two: 0.25 ldmatrix per mma) where the registers allow it, with 64 keys per tile (d <= 32) or 32 (d <= 64); else
-# 8 warps of one m16 tile; smaller tiles for large head dims on smaller shared memories.
+# 8 warps of one m16 tile; 16-key tiles where accumulators of float64 need the registers; smaller tiles for large
+# head dims on smaller shared memories.
 CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
-    (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 32, 1), (16, 16, 1)))
+    (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (64, 16, 4), (32, 32, 2), (16, 32, 1),
+    (16, 16, 1)))
 
 
 def candidates(shape: Shape) -> List[tuple]:
@@ -170,7 +200,8 @@ def _backward_family(kind: str) -> Family:
         scratch: 16 rows of the swept width + 1 floats and 16 x 4 words. Mirrors MmaBackwardShared."""
         D, E = bucket(shape.d), bucket(shape.e)
         swept = own_and_swept(config)[1]
-        tiles = sum(align16(ITEM * rows * (width + ROW_PAD)) for rows in (config.Br, config.Bc) for width in (D, E))
+        tiles = sum(align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM)) for rows in (config.Br, config.Bc)
+                    for width in (D, E))
         scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
         return tiles + align16(4 * 2 * config.Br) + scratch
 

@@ -103,7 +103,8 @@ def check_case(case, backend=None, to_device=None, **extra):
                                     backend=backend, **options, **extra)
     assert result is out
     get = (lambda x: x.get()) if to_device else (lambda x: x)
-    assert_accurate(get(result), case.q, case.k, case.v, lse=get(lse), **case.options)
+    assert_accurate(get(result), case.q, case.k, case.v, lse=get(lse), precision=extra.get("precision"),
+                    **case.options)
 
 
 def problem_and_outputs(q, k, v, **options):

@@ -36,14 +36,14 @@ def case_fma():
     bias = randn(rng, (2, 1, 45), np.float16)
     for block in [(16, 16), (32, 64)]:
         out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt", block=block,
-                                     return_lse=True)
+                                     precision="fma", return_lse=True)
         assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4))
     q, k, v = (randn(rng, (9, 2 * 1030), np.float32)[:, ::2], randn(rng, (20, 1030), np.float32),
                randn(rng, (20, 600), np.float32))
-    out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", return_lse=True)
+    out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", precision="fma", return_lse=True)
     assert_accurate(out, q, k, v, lse=lse, causal=True)
     q, k, v = (randn(rng, shape, np.float16) for shape in ((3, 29, 64), (3, 70, 64), (3, 70, 64)))
-    out = cuflash.attention(q, k, v, causal=True, backend="simt")
+    out = cuflash.attention(q, k, v, causal=True, backend="simt", precision="fma")
     assert_accurate(out, q, k, v, causal=True)
 
 
@@ -67,6 +67,28 @@ def case_mma():
     v = randn(rng, (1, 1100, 2 * 19), np.float16)[..., ::2]
     out, lse = cuflash.attention(q, k, v, backend="simt", block="mma", return_lse=True)
     assert_accurate(out, q, k, v, lse=lse)
+
+
+def case_mma_wide():
+    """The tensor-core kernel for float32 (3xTF32, one TF32 pass) and float64 (DMMA): tails in every direction,
+    cp.async and element loads, mask, bias, window, lse, the hidden-NaN path, split keys."""
+    rng = np.random.default_rng(16)
+    for dtype, precision in ((np.float32, "highest"), (np.float32, "tf32"), (np.float64, None)):
+        q = randn(rng, (2, 37, 2 * 40), dtype)[..., ::2]
+        k, v = randn(rng, (1, 45, 40), dtype), randn(rng, (2, 45, 23), dtype)[:, ::-1]
+        mask = rng.random((37, 45)) < 0.8
+        v[0, 3, 1] = np.nan
+        bias = randn(rng, (2, 1, 45), np.float32)
+        out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt",
+                                     block=BlockConfig.mma(32, 16, 1), precision=precision, return_lse=True)
+        assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4), precision=precision)
+        q, k, v = (randn(rng, shape, dtype) for shape in ((3, 29, 64), (3, 70, 64), (3, 70, 64)))
+        out = cuflash.attention(q, k, v, causal=True, backend="simt", block="mma", precision=precision)
+        assert_accurate(out, q, k, v, causal=True, precision=precision)
+        q, k = randn(rng, (1, 20, 32), dtype), randn(rng, (1, 1100, 32), dtype)
+        v = randn(rng, (1, 1100, 2 * 19), dtype)[..., ::2]
+        out, lse = cuflash.attention(q, k, v, backend="simt", block="mma", precision=precision, return_lse=True)
+        assert_accurate(out, q, k, v, lse=lse, precision=precision)
 
 
 def case_backward():

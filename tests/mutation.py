@@ -55,6 +55,7 @@ FMA_NAN = "tests/test_kernel_simt.py::test_nan_and_inf_in_hidden_keys_never_leak
 FMA_SPLIT = "tests/test_kernel_simt.py::test_split_keys"
 MMA = "tests/test_kernel_mma.py::test_matches_reference"
 MMA_SPLIT = "tests/test_kernel_mma.py::test_split_keys"
+MMA_WIDE = "tests/test_kernel_mma_wide.py"
 PTX = "tests/simt/test_simt_ptx.py"
 BACKWARD = "tests/test_backward.py"
 BWD_SIMT_FILE = "tests/test_backward_simt.py"
@@ -220,11 +221,22 @@ MUTANTS = (
       [("const bool moved = m_new > m_i[mt][h];", "const bool moved = m_new > m_i[mt][h] + 200.0f;")],
       [MMA], "the running max lags by up to 200 (log2): P = exp2(S - m_i) overflows float32"),
     m("mma-lse-log2", "cuflash/kernels/forward_mma.cuh",
-      [("(m_i[mt][h] + log2f(l)) * kLn2", "(m_i[mt][h] + log2f(l))")], [MMA], "lse in base 2"),
+      [("(m_i[mt][h] + log2_(l)) * kLn2", "(m_i[mt][h] + log2_(l))")], [MMA], "lse in base 2"),
     m("mma-multiply-by-zero", "cuflash/kernels/forward_mma.cuh",
       [("const bool careful = partial && ", "const bool careful = false && ")],
       [MMA, "tests/test_kernel_mma.py::test_nan_and_inf_in_hidden_keys_never_leak"],
       "P V on tensor cores even where hidden values hold inf or NaN"),
+    # ---- the tensor-core kernel's float32 and float64 products (mma_tile.cuh's FwdMath)
+    m("mma-f32-two-passes", "cuflash/kernels/mma_tile.cuh",
+      [("ptx::mma_m16n8k8_tf32(c, a_lo, b_hi, c);", "")], [MMA_WIDE],
+      "3xTF32 without its a_lo b_hi pass: float32 no longer exact to its rule"),
+    m("mma-f32-pv-key-order", "cuflash/kernels/mma_tile.cuh",
+      [("a[mt][1] = __float_as_uint(P[mt][kk][2]);\n                a[mt][2] = __float_as_uint(P[mt][kk][1]);",
+        "a[mt][1] = __float_as_uint(P[mt][kk][1]);\n                a[mt][2] = __float_as_uint(P[mt][kk][2]);")],
+      [MMA_WIDE], "P's fragment for the TF32 P V in the C layout's order: keys 2t + 1 and rows g + 8 swapped"),
+    m("mma-f64-bottom-rows", "cuflash/kernels/mma_tile.cuh",
+      [("mma2(c, a.x[0], a.x[1], b.x[n]);", "mma2(c, a.x[0], a.x[0], b.x[n]);")], [MMA_WIDE],
+      "float64 S of rows g + 8 from rows g's Q fragment"),
     # ---- the emulator's PTX twins and collectives
     m("mma-twin-a-fragment", "cuflash/kernels/ptx.cuh",
       [("row = g + 8 * (r & 1); k = 2 * t + h + 8 * (r >> 1);",

@@ -78,13 +78,25 @@ def round_to(x, dtype):
     return np.asarray(x).astype(dtype).astype(np.float64 if dtype == np.float64 else np.float32)
 
 
-def naive_in_dtype(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None):
+def round_tf32(x):
+    """float32 values rounded to TF32 (10 explicit mantissa bits, to nearest, ties away from zero), as
+    cvt.rna.tf32.f32 rounds them; infinities and NaN kept."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    return np.where(np.isfinite(x), rounded, x)
+
+
+def naive_in_dtype(q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None, tf32=False):
     """Naive materialized attention with every intermediate (S, P, O) rounded to the input dtype, matmuls
     accumulating in float32 (float64 for float64): the error budget a backend is measured against. Returns
-    (out, lse), lse = max + log(sum of exp) of the rounded scores in the accumulation type."""
+    (out, lse), lse = max + log(sum of exp) of the rounded scores in the accumulation type. tf32 (float32): the
+    operands of both products, q, k, v and P, rounded to TF32 too, as one TF32 tensor-core pass rounds them."""
     dtype = np.dtype(result_dtype_name(q, k, v))
     acc = np.float64 if dtype == np.float64 else np.float32
     q, k, v = (np.asarray(x).astype(dtype).astype(acc) for x in (q, k, v))
+    if tf32:
+        q, k, v = round_tf32(q), round_tf32(k), round_tf32(v)
     n, d = q.shape[-2:]
     m = k.shape[-2]
     if scale is None:
@@ -100,7 +112,7 @@ def naive_in_dtype(q, k, v, *, scale=None, causal=False, window=None, mask=None,
         w = np.exp(s - np.where(top == -np.inf, 0, top))
         total = w.sum(axis=-1, keepdims=True)
         p = round_to(w / total, dtype)
-        p = np.where(vis, p, 0)
+        p = np.where(vis, round_tf32(p) if tf32 else p, 0)
         v_clean = np.where(np.isfinite(v), v, 0)
         out = round_to(np.matmul(np.nan_to_num(p), v_clean), dtype)
         lse = (top + np.log(total))[..., 0]
@@ -123,11 +135,11 @@ def score_condition(q, k, *, scale=None, causal=False, window=None, mask=None, b
 
 
 ABS_TOL = {"float64": 1e-12, "float32": 2e-6, "float16": 2e-4, "bfloat16": 2e-3}
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24}  # of the accumulation type
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "tf32": 2.0**-11}  # of the scores' arithmetic
 EPSILON = {"float64": 2.0**-52, "float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
-def assert_accurate(result, q, k, v, *, lse=None, **options):
+def assert_accurate(result, q, k, v, *, lse=None, precision=None, **options):
     """The accuracy rule, row by row: for each output row, |result - reference| <= 2 * (the largest error of naive
     attention in the input dtype on that row) + a small absolute term, with NaN exactly where the reference has
     NaN. Per row, so one ill-conditioned row never loosens the bound of another.
@@ -136,7 +148,11 @@ def assert_accurate(result, q, k, v, *, lse=None, **options):
     the accumulation type (score_condition, times the largest |v|): with logits in the hundreds, one rounding of
     a score moves P by more than naive's own error happens to reach on some rows, and no exact algorithm in that
     type avoids it. lse is held to the same rule: 2 * naive's lse error on the row + the same two roundings +
-    1e-5 of |lse| (1e-12 in float64)."""
+    1e-5 of |lse| (1e-12 in float64).
+
+    precision="tf32" (float32 in one TF32 pass) is held to the same rule with TF32 in place of float32 where the
+    products round: naive attention with TF32-rounded operands (naive_in_dtype's tf32), and two TF32 roundings of
+    the row's largest score. Any other precision: float32's own rule."""
     ref_out, ref_lse = attention_reference(q, k, v, **options)
     result = np.asarray(result).astype(np.float64)
     assert result.shape == ref_out.shape, (result.shape, ref_out.shape)
@@ -146,8 +162,9 @@ def assert_accurate(result, q, k, v, *, lse=None, **options):
     np.testing.assert_array_equal(result[infinite], ref_out[infinite], err_msg="infinities differ from the reference")
     finite = ~nan_ref & ~infinite
     dtype = np.dtype(result_dtype_name(q, k, v))
-    acc_name = "float64" if dtype == np.float64 else "float32"
-    naive, naive_lse = naive_in_dtype(q, k, v, **options)
+    tf32 = precision == "tf32" and dtype == np.float32
+    acc_name = "float64" if dtype == np.float64 else "tf32" if tf32 else "float32"
+    naive, naive_lse = naive_in_dtype(q, k, v, tf32=tf32, **options)
     naive = naive.astype(np.float64)
     naive_err = np.where(finite & np.isfinite(naive), np.abs(naive - ref_out), 0).max(axis=-1, initial=0)
     rounding = 2 * UNIT_ROUNDOFF[acc_name] * np.broadcast_to(score_condition(q, k, **options), ref_lse.shape)

@@ -26,6 +26,7 @@ from cuflash import DeviceLimits, kernels, tensorcore, tiling
 from cuflash.family import Shape as Workload
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 GPUS = {"sm_80": DeviceLimits.known("A100"), "sm_90": DeviceLimits.known("H200")}
 
@@ -65,10 +66,12 @@ pytestmark = [
 
 def chosen(arch):
     """(workload, config, split) the dispatcher picks per head dim and dtype on the arch's GPU: every d for
-    float16, a few for bfloat16 (the same code but for the mma's type), and two with split keys (float partial
-    results written from the fragments)."""
+    float16, a few for bfloat16 (the same code but for the mma's type), float32 in three TF32 passes and in one,
+    float64, and two with split keys (float partial results written from the fragments)."""
     device = GPUS[arch]
-    pairs = [Workload(F16, d, d) for d in HEAD_DIMS] + [Workload(BF16, d, d) for d in (64, 128, 256)]
+    pairs = [Workload(F16, d, d) for d in HEAD_DIMS] + [Workload(BF16, d, d) for d in (64, 128, 256)] + \
+        [Workload(F32, d, d) for d in (64, 128, 256)] + [Workload(F32, d, d, precision="tf32") for d in (64, 128)] + \
+        [Workload(F64, d, d) for d in (32, 64, 128)]
     return [(w, tiling.choose(w, device), False) for w in pairs] + \
         [(w, tiling.choose(w, device), True) for w in (Workload(F16, 64, 64), Workload(F16, 128, 128))]
 
@@ -122,6 +125,12 @@ def opcodes(text: str):
     return set(re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text))
 
 
+# What each dtype's kernel must use: tensor cores (HMMA; DMMA for float64), ldmatrix where fragments are 16-bit
+# or 32-bit matrices (float64's are plain 8-byte loads), cp.async.
+EXPECTED = {"float16": ("HMMA", "LDSM", "LDGSTS"), "bfloat16": ("HMMA", "LDSM", "LDGSTS"),
+            "float32": ("HMMA", "LDSM", "LDGSTS"), "float64": ("DMMA", "LDGSTS")}
+
+
 @pytest.mark.parametrize("arch", sorted(GPUS))
 def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch):
     built = build(arch)
@@ -131,8 +140,10 @@ def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch)
         sass, usage, _ = built[name]
         ops = opcodes(sass)
         assert config.variant == "mma", (workload, config)
-        missing = {"HMMA", "LDSM", "LDGSTS"} - ops
+        missing = set(EXPECTED[workload.dtype.name]) - ops
         assert not missing, f"{name} on {arch} lacks {sorted(missing)}"
+        if workload.dtype == F32:  # the tensor cores take TF32 operands, rounded by cvt.rna.tf32.f32
+            assert "HMMA.1688.F32.TF32" in sass, f"{name} on {arch}: no TF32 HMMA"
         local = sorted(op for op in ops if op in ("LDL", "STL"))
         assert not local, f"{name} on {arch} uses local memory ({local}): spills or run-time indexed registers"
         assert usage.spill_stores == usage.spill_loads == 0 and usage.stack == 0, usage
@@ -149,7 +160,7 @@ def test_shared_memory_model_matches_the_kernel(arch):
     from cuflash import nvrtc
 
     layouts = {}
-    for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16)):
+    for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16), ("float", F32), ("double", F64)):
         for (d, e) in ((32, 32), (64, 59), (128, 128), (256, 256), (100, 200)):
             for config in tensorcore.CANDIDATES + (tiling.BlockConfig.mma(64, 64, 4, stages=3),):
                 w = Workload(dtype, d, e)

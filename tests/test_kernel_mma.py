@@ -179,7 +179,8 @@ def test_dispatcher_prefers_tensor_cores(dtype, device, d):
     assert tensorcore.accumulator_words(Workload(dtype, d, d), config) <= tensorcore.REGISTER_TARGET
 
 
-@pytest.mark.parametrize("workload, device", [(Workload(np.float32, 64, 64), H100),
+@pytest.mark.parametrize("workload, device", [(Workload(np.float32, 64, 64, precision="fma"), H100),
+                                              (Workload(np.float64, 64, 64), A10),
                                               (Workload(F16, 64, 64), V100),
                                               (Workload(BF16, 128, 128), DeviceLimits.known("T4"))])
 def test_dispatcher_falls_back_to_cuda_cores(workload, device):
@@ -200,8 +201,9 @@ def test_simt_backend_picks_tensor_cores_for_halves():
 
 
 @pytest.mark.parametrize("workload, device, config, pattern", [
-    (Workload(np.float32, 64, 64), H100, BlockConfig.mma(64, 64), r"runs float16 and bfloat16, not float32"),
-    (Workload(np.float64, 64, 64), H100, BlockConfig.mma(64, 64), r"not float64"),
+    (Workload(np.float32, 64, 64, precision="fma"), H100, BlockConfig.mma(64, 64), r"precision='fma' asks for CUDA"),
+    (Workload(np.float64, 64, 64), A10, BlockConfig.mma(64, 64), r"float64 runs on tensor cores \(DMMA\) only"),
+    (Workload(np.int8, 64, 64), H100, BlockConfig.mma(64, 64), r"runs float16, bfloat16, float32 and float64, not int8"),
     (Workload(F16, 64, 64), V100, BlockConfig.mma(64, 64), r"compute capability 8\.0 or newer.* has 7\.0"),
     (Workload(F16, 320, 64), H100, BlockConfig.mma(64, 64), r"d=320 is above 256"),
     (Workload(F16, 256, 256), A100, BlockConfig.mma(128, 128, 8),
@@ -217,11 +219,11 @@ def test_forced_tensor_core_choice_gives_reasons(workload, device, config, patte
 
 
 def test_forced_choice_raises_through_the_front_door():
-    q = np.zeros((4, 32), np.float32)
-    with pytest.raises(ValueError, match="not float32"):
-        cuflash.attention(q, q, q, backend="simt", block="mma")
-    with pytest.raises(ValueError, match="not float32"):
-        cuflash.attention(q, q, q, backend="simt", block=BlockConfig.mma(64, 64))
+    q = np.zeros((4, 32), np.float16)
+    with pytest.raises(ValueError, match="precision='fma' asks for CUDA cores"):
+        cuflash.attention(q, q, q, backend="simt", block="mma", precision="fma")
+    with pytest.raises(ValueError, match="precision='fma' asks for CUDA cores"):
+        cuflash.attention(q, q, q, backend="simt", block=BlockConfig.mma(64, 64), precision="fma")
 
 
 # ----------------------------------------------------------------------------------------------------------------

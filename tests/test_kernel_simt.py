@@ -1,6 +1,7 @@
-"""The forward kernel on the emulator (backend="simt"): the front door's properties against the float64
-reference, with NaN-poisoned outputs, over dtypes, head dims, odd lengths, windows, masks, biases, broadcast and
-strided views, block configurations and emulator schedules. Problems stay small: the emulator runs on the CPU."""
+"""The CUDA-core forward kernel on the emulator (backend="simt", precision="fma": never the tensor cores, whose
+kernel has its own test files): the front door's properties against the float64 reference, with NaN-poisoned
+outputs, over dtypes, head dims, odd lengths, windows, masks, biases, broadcast and strided views, block
+configurations and emulator schedules. Problems stay small: the emulator runs on the CPU."""
 
 import os
 
@@ -32,13 +33,13 @@ def plan_for(problem, block):
 @given(cases(lengths=LENGTHS, head_dims=HEAD_DIMS))
 @settings(max_examples=100)
 def test_matches_reference(case):
-    check_case(case, backend="simt")
+    check_case(case, backend="simt", precision="fma")
 
 
 @given(cases(lengths=(1, 33, 70), head_dims=(256,), max_batch_dims=1))
 @settings(max_examples=6)
 def test_head_dim_256(case):
-    check_case(case, backend="simt")
+    check_case(case, backend="simt", precision="fma")
 
 
 @given(cases(lengths=(5, 40), head_dims=(300, 512, 1030), max_batch_dims=0, masks=False))
@@ -46,14 +47,14 @@ def test_head_dim_256(case):
 def test_any_head_dim(case):
     """Past the largest bucket (256 for 16-bit types, 512 otherwise) d is swept in slices and e split into
     column blocks; 1030 leaves a 6-wide last slice."""
-    check_case(case, backend="simt")
+    check_case(case, backend="simt", precision="fma")
 
 
 @given(cases(lengths=(5, 40), head_dims=(16, 70, 150), max_batch_dims=1))
 @settings(max_examples=8)
 def test_narrow_head_tiles(case):
     """A head tile of 32, as a small GPU's plan may take: d in slices and e in column blocks with tails."""
-    check_case(case, backend="simt", block=BlockConfig(8, 16, 4, head_tile=32))
+    check_case(case, backend="simt", precision="fma", block=BlockConfig(8, 16, 4, head_tile=32))
 
 
 @given(cases(lengths=(1, 5, 16), key_lengths=(1030, 2100), head_dims=(1, 16, 64), max_batch_dims=1,
@@ -62,7 +63,7 @@ def test_narrow_head_tiles(case):
 def test_split_keys(case):
     """Few queries over many keys, too few blocks to fill the GPU: the key axis is split (flash-decoding) and
     the partial results merged; masks, windows and empty splits cross the split boundaries."""
-    check_case(case, backend="simt")
+    check_case(case, backend="simt", precision="fma")
 
 
 def test_split_keys_launch_and_hidden_values():
@@ -80,7 +81,7 @@ def test_split_keys_launch_and_hidden_values():
     assert (config.Br, config.variant, splits) == (8, "fma", 3)  # 2 blocks; 2000 // 512 splits at most
     keys, count = tiling.split_keys(2000, splits, config.Bc)
     assert (keys, count) == (672, 3) == (plan.split_keys, plan.splits)
-    out, lse = cuflash.attention(q, k, v, mask=mask, backend="simt", return_lse=True)
+    out, lse = cuflash.attention(q, k, v, mask=mask, backend="simt", precision="fma", return_lse=True)
     assert (out[:, :, 1] == 0).all() and np.isneginf(lse[:, :, 1]).all()
     assert np.isfinite(out.astype(np.float64)).all()
     assert_accurate(out, q, k, v, lse=lse, mask=mask)
@@ -95,7 +96,7 @@ def test_split_keys_with_slices_and_column_blocks():
     assert tiling.key_splits(problem.shape, plan.config, simt.DEVICE) == plan.splits == 2
     assert plan.name == "cuflash::fwd<float, 8, 32, 512, 512, 4, true, true>"
     assert plan.column_blocks == ((0, 512), (512, 700))
-    check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt")
+    check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt", precision="fma")
 
 
 def test_wide_e_is_split_into_column_blocks():
@@ -107,7 +108,7 @@ def test_wide_e_is_split_into_column_blocks():
     assert [x.name for x in blocks] == ["cuflash::fwd<double, 4, 16, 128, 512, 2>"] * 3
     assert [x.args[-1] & launch.WANT_LSE for x in blocks] == [launch.WANT_LSE, 0, 0]  # lse written once
     assert [int(x.args[11]) for x in blocks] == [512, 512, 76]  # e of each column block
-    check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt")
+    check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt", precision="fma")
 
 
 BLOCKS = ((16, 16), BlockConfig(8, 16, warps=4), BlockConfig(4, 32, warps=2), (32, 64), BlockConfig(16, 48, 8))
@@ -118,7 +119,7 @@ BLOCKS = ((16, 16), BlockConfig(8, 16, warps=4), BlockConfig(4, 32, warps=2), (3
 def test_block_configurations(case):
     """Small tiles sweep many key tiles: rescaling, straddling windows, tails in both directions."""
     for block in BLOCKS:
-        check_case(case, backend="simt", block=block)
+        check_case(case, backend="simt", precision="fma", block=block)
 
 
 @pytest.mark.parametrize("schedule", ["reverse", "20261129"])
@@ -129,7 +130,7 @@ def test_emulator_schedules(schedule, case):
     old = os.environ.get("CUFLASH_SIMT_SEED")
     os.environ["CUFLASH_SIMT_SEED"] = schedule
     try:
-        check_case(case, backend="simt", block=(16, 32))
+        check_case(case, backend="simt", precision="fma", block=(16, 32))
     finally:
         if old is None:
             del os.environ["CUFLASH_SIMT_SEED"]
@@ -151,7 +152,7 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
     mask &= causal_q
     mask[:, m - 5:] = False
     del hidden
-    out, lse = cuflash.attention(q, k, v, mask=mask, causal=True, backend="simt", block=(16, 16),
+    out, lse = cuflash.attention(q, k, v, mask=mask, causal=True, backend="simt", precision="fma", block=(16, 16),
                                  return_lse=True)
     assert np.isfinite(out.astype(np.float64)).all()
     assert_accurate(out, q, k, v, lse=lse, mask=mask, causal=True)
@@ -162,10 +163,10 @@ def test_fully_masked_rows_and_no_keys():
     q, k, v = randn(rng, (2, 9, 8)), randn(rng, (2, 20, 8)), randn(rng, (2, 20, 5))
     mask = np.ones((9, 20), bool)
     mask[3] = False
-    out, lse = cuflash.attention(q, k, v, mask=mask, backend="simt", return_lse=True)
+    out, lse = cuflash.attention(q, k, v, mask=mask, backend="simt", precision="fma", return_lse=True)
     assert (out[:, 3] == 0).all() and np.isneginf(lse[:, 3]).all()
     assert_accurate(out, q, k, v, lse=lse, mask=mask)
-    out, lse = cuflash.attention(q, k[:, :0], v[:, :0], backend="simt", return_lse=True)
+    out, lse = cuflash.attention(q, k[:, :0], v[:, :0], backend="simt", precision="fma", return_lse=True)
     assert (out == 0).all() and np.isneginf(lse).all()
 
 
@@ -174,7 +175,7 @@ def test_grouped_query_attention_by_broadcasting():
     q = randn(rng, (2, 4, 33, 16), np.float16)
     k, v = randn(rng, (2, 1, 47, 16), np.float16), randn(rng, (2, 1, 47, 24), np.float16)
     bias = randn(rng, (4, 1, 47))  # per head, broadcast over rows
-    out = cuflash.attention(q, k, v, bias=bias, window=(10, 3), backend="simt")
+    out = cuflash.attention(q, k, v, bias=bias, window=(10, 3), backend="simt", precision="fma")
     assert_accurate(out, q, k, v, bias=bias, window=(10, 3))
 
 
@@ -188,7 +189,7 @@ def test_batch_with_more_dims_than_the_kernel_takes():
     problem, out, lse = problem_and_outputs(q, k, v)
     problem_launches = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(16, 16)))
     assert len(problem_launches) == 2
-    out = cuflash.attention(q, k, v, backend="simt")
+    out = cuflash.attention(q, k, v, backend="simt", precision="fma")
     assert_accurate(out, q, k, v)
 
 
@@ -202,7 +203,7 @@ def test_vector_loads_only_when_aligned(offset):
     flags = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(64, 64)))[0].args[-1]
     vector_q = bool(flags & launch.VECTOR_Q)
     assert vector_q == (offset == 0 and q.ctypes.data % 16 == 0)
-    result = cuflash.attention(q, k, v, backend="simt")
+    result = cuflash.attention(q, k, v, backend="simt", precision="fma")
     assert_accurate(result, q, k, v)
 
 
@@ -220,11 +221,11 @@ def test_launch_uses_the_shared_memory_model():
 def test_invalid_blocks_raise_with_reasons():
     q = np.zeros((4, 8), np.float32)
     with pytest.raises(ValueError, match="Bc=5 is not supported"):
-        cuflash.attention(q, q, q, backend="simt", block=(7, 5))
+        cuflash.attention(q, q, q, backend="simt", precision="fma", block=(7, 5))
     with pytest.raises(ValueError, match="warps=3"):
-        cuflash.attention(q, q, q, backend="simt", block=BlockConfig(64, 64, warps=3))
+        cuflash.attention(q, q, q, backend="simt", precision="fma", block=BlockConfig(64, 64, warps=3))
     with pytest.raises(ValueError, match=r"needs 328 KiB of shared memory; H100 allows 227 KiB per block; .* \(64, 64\) fits"):
-        cuflash.attention(q, q, q, backend="simt", block=BlockConfig(256, 256, warps=8))
+        cuflash.attention(q, q, q, backend="simt", precision="fma", block=BlockConfig(256, 256, warps=8))
 
 
 @pytest.mark.memcheck

@@ -54,10 +54,11 @@ def test_heuristic_choice_runs(gpu, dtype, d):
 
 
 def test_heuristic_choices_on_known_gpus():
-    """CUDA-core choices (float32/float64 anywhere; float16 on a T4, which has no sm_80 tensor-core path)."""
+    """CUDA-core choices (float32/float64 with precision="fma", float64 past the tensor cores' head dims; float16
+    on a T4, which has no sm_80 tensor-core path)."""
     h100, a100, t4 = (DeviceLimits.known(g) for g in ("H100", "A100", "T4"))
-    assert choose(Workload(F32, 64, 64), h100) == BlockConfig(64, 64, 4)
-    assert choose(Workload(F32, 128, 128), a100) == BlockConfig(64, 64, 8)
+    assert choose(Workload(F32, 64, 64, precision="fma"), h100) == BlockConfig(64, 64, 4)
+    assert choose(Workload(F32, 128, 128, precision="fma"), a100) == BlockConfig(64, 64, 8)
     assert choose(Workload(F32, 128, 128), t4) == BlockConfig(32, 32, 4)  # (32, 64) needs 88.5 KiB
     assert choose(Workload(F16, 128, 128), t4) == BlockConfig(32, 64, 4)  # (64, 64, warps=8) needs 64.8 KiB
     assert choose(Workload(F64, 512, 512), h100) == BlockConfig(16, 16, 8)
@@ -65,11 +66,11 @@ def test_heuristic_choices_on_known_gpus():
 
 
 def test_block_for_h100_refused_on_a100_with_the_right_sentence():
-    w = Workload(F32, 256, 256)
+    w = Workload(F32, 256, 256, precision="fma")
     config = BlockConfig(64, 64, warps=8)
     assert not_supported_reasons(w, config, DeviceLimits.known("H100")) == []
     (reason,) = not_supported_reasons(w, config, DeviceLimits.known("A100"))
-    assert reason == ("block (64, 64, warps=8) for d=256 float32 needs 214 KiB of shared memory; "
+    assert reason == ("block (64, 64, warps=8) for d=256 float32, precision='fma' needs 214 KiB of shared memory; "
                       "A100 allows 163 KiB per block; (32, 32, warps=8) fits")
 
 
@@ -131,7 +132,7 @@ def test_key_splits_and_the_decoding_choice():
 
 def test_resolve_tuple_and_config():
     device = DeviceLimits.known("A100")
-    w = Workload(F32, 64, 64)
+    w = Workload(F32, 64, 64, precision="fma")
     assert tiling.resolve(None, w, device) == choose(w, device)
     assert tiling.resolve((32, 32), w, device) == BlockConfig(32, 32, 4)
     assert tiling.resolve((128, 64), w, device) == BlockConfig(128, 64, 8)  # 4 warps would hold 128 registers

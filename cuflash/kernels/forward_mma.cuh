@@ -1,12 +1,15 @@
-// The forward pass on tensor cores (FlashAttention-2 style) for __half and __nv_bfloat16 on sm_80 and newer.
+// The forward pass on tensor cores (FlashAttention-2 style) on sm_80 and newer: __half and __nv_bfloat16 on
+// mma.m16n8k16, float on mma.m16n8k8 with TF32 operands (three passes, 3xTF32, or one), double on mma.m8n8k4
+// (DMMA). mma_tile.cuh's FwdMath<T, Passes> holds what differs per type: the products and their fragments.
 //
 // One thread block per Br query rows of one batch item; its warps split the rows, MT m16 tiles (16 * MT rows)
 // each. Per key tile of Bc keys:
-//   S = Q_i K_j^T     mma.m16n8k16 (f32 accumulate); Q_i as A fragments (in registers for the whole sweep when
-//                     they fit, else from shared memory), K_j through ldmatrix as the column-major B operand;
+//   S = Q_i K_j^T     tensor-core products, accumulated in Acc (float; double for double); Q_i as A fragments
+//                     (in registers for the whole sweep when they fit, else from shared memory), K_j as the
+//                     column-major B operand;
 //   online softmax    directly on the accumulator fragments: a row lives in the four lanes of a quad, so the
 //                     row max and sum need two shuffles; scale * log2(e) is folded into one multiplier (exp2);
-//   O_i += P V_j      P rounded to T in registers is the A operand, V_j through ldmatrix.trans.
+//   O_i += P V_j      P in registers is the A operand (rounded to T for the 16-bit types), V_j the B operand.
 // K_j and V_j stream through Stages shared-memory buffers with cp.async: tile j + Stages - 1 is in flight while
 // tile j is computed. The epilogue stages O_i / l_i through shared memory so global stores are coalesced.
 //
@@ -17,7 +20,8 @@
 //
 // Template: T element type; Br, Bc tile sizes; D, E head-dim buckets (multiples of 32 up to 256; the actual
 // d, e are run-time values, tails zero-filled); Warps per block; Stages of the K/V pipeline (2 or 3); Split: the
-// key axis is split too (see block_operands), and out holds float partial results.
+// key axis is split too (see block_operands), and out holds partial results in Acc; Passes: float's TF32 passes
+// (3 or 1; the other types ignore it).
 #pragma once
 
 #include "forward_common.cuh"
@@ -29,10 +33,12 @@ namespace cuflash {
 // space the epilogue reuses for O; P's scratch (the rare CUDA-core P V) shares it too when Q sits in registers.
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
 struct MmaShared {
-    static constexpr int MT = Br / (16 * Warps);         // m16 tiles per warp
-    static constexpr bool kQInRegisters = MT * D <= 128;  // MT * D / 4 registers of A fragments
-    static constexpr int LDQ = mma::Padded<D>::ld, LDK = mma::Padded<D>::ld, LDV = mma::Padded<E>::ld;
-    static constexpr int LDO = mma::Padded<E>::ld, LDP = mma::Padded<Bc>::ld;
+    static constexpr int MT = Br / (16 * Warps);  // m16 tiles per warp
+    // Q_i's fragments stay in registers (MT * D * sizeof(T) / 8 of them) when they take at most 32; never for
+    // double, whose accumulators already take two registers each.
+    static constexpr bool kQInRegisters = sizeof(T) <= 4 && MT * D * sizeof(T) <= 256;
+    static constexpr int LDQ = mma::RowPadded<D, T>::ld, LDK = mma::RowPadded<D, T>::ld;
+    static constexpr int LDV = mma::Padded<E, T>::ld, LDO = mma::Padded<E, T>::ld, LDP = mma::Padded<Bc, T>::ld;
     static constexpr size_t k_stage = sizeof(T) * Bc * LDK, v_stage = sizeof(T) * Bc * LDV;
     static constexpr size_t q_bytes = sizeof(T) * Br * (LDQ > LDO ? LDQ : LDO);
     static constexpr size_t p_bytes = sizeof(T) * Warps * 16 * LDP;
@@ -44,24 +50,25 @@ struct MmaShared {
                                                   : p_offset + p_bytes;
 };
 
-template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Split = false>
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Split = false, int Passes = 3>
 __global__ void __launch_bounds__(Warps * 32, 1)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-        const bool* __restrict__ mask, const float* __restrict__ bias,
+        const bool* __restrict__ mask, const typename AccOf<T>::type* __restrict__ bias,
         typename OutOf<T, Split>::type* __restrict__ out,
-        float* __restrict__ lse, const long long* __restrict__ geometry,
-        long long n, long long m, long long d, long long e, float scale_log2,
+        typename AccOf<T>::type* __restrict__ lse, const long long* __restrict__ geometry,
+        long long n, long long m, long long d, long long e, typename AccOf<T>::type scale_log2,
         long long left, long long right, int flags) {
     using Smem = MmaShared<T, Br, Bc, D, E, Warps, Stages>;
+    using Math = mma::FwdMath<T, Passes>;
+    using Acc = typename Math::Acc;
     constexpr int Threads = Warps * 32, MT = Smem::MT;
-    constexpr int NT = Bc / 8, ET = E / 8, KD = D / 16;  // n8 tiles of S and of O; k16 steps of Q K^T
+    constexpr int NT = Bc / 8, ET = E / 8, KD = D / Math::kStep;  // n8 tiles of S and of O; steps of Q K^T
     constexpr bool kQRegs = Smem::kQInRegisters;
     static_assert(MT >= 1 && Br == 16 * MT * Warps, "Br must be 16 x Warps x (m16 tiles per warp)");
     static_assert(Bc % 16 == 0 && Bc <= 128, "Bc must be a multiple of 16 up to 128 (hidden bits in one word)");
     static_assert(D % 32 == 0 && E % 32 == 0 && D <= 256 && E <= 256, "head-dim buckets are multiples of 32");
     static_assert(Stages >= 2, "the K/V pipeline needs two stages or more");
-    constexpr float kLn2 = 0.6931471805599453f;
-    const T tag{};  // selects the element type's overloads
+    constexpr Acc kLn2 = Acc(0.6931471805599453);
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
@@ -84,11 +91,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
     // K_j and V_j of key tile `tile` into pipeline stage tile % Stages: full tiles of 16-byte rows by each
     // thread's chunk loaders (tiles in order), others (a short last tile, strided views) by the general copy.
-    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages>;
-    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages, Smem::LDK>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages, Smem::LDV>;
     const int full_tiles = (int)((keys.end - keys.begin) / Bc);
     const bool chunk_loads = KLoader::kFits && VLoader::kFits && (flags & kVectorK) && (flags & kVectorV) &&
-                             d % mma::kChunk == 0 && e % mma::kChunk == 0;
+                             d % chunk_pad<T>() == 0 && e % chunk_pad<T>() == 0;
     KLoader K_load(k + ops.base.of[kK] + keys.begin * ops.k.row, ops.k.row, (int)d, K_s);
     VLoader V_load(v + ops.base.of[kV] + keys.begin * ops.v.row, ops.v.row, (int)e, V_s);
     if (chunk_loads) {
@@ -104,14 +111,14 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const int stage = tile % Stages;
         const long long j0 = keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, keys.end - j0);
-        mma::load_tile_async<T, Bc, D, Threads>(K_s + stage * Bc * Smem::LDK, k + ops.base.of[kK] + j0 * ops.k.row,
+        mma::load_tile_async<T, Bc, D, Threads, Smem::LDK>(K_s + stage * Bc * Smem::LDK, k + ops.base.of[kK] + j0 * ops.k.row,
                                                 ops.k.row, ops.k.col, cols, (int)d, flags & kVectorK);
-        mma::load_tile_async<T, Bc, E, Threads>(V_s + stage * Bc * Smem::LDV, v + ops.base.of[kV] + j0 * ops.v.row,
+        mma::load_tile_async<T, Bc, E, Threads, Smem::LDV>(V_s + stage * Bc * Smem::LDV, v + ops.base.of[kV] + j0 * ops.v.row,
                                                 ops.v.row, ops.v.col, cols, (int)e, flags & kVectorV);
     };
 
     // Q_i is the first cp.async group, the first Stages - 1 key tiles the next ones.
-    mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
+    mma::load_tile_async<T, Br, D, Threads, Smem::LDQ>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
                                             (int)d, flags & kVectorQ);
     ptx::cp_async_commit();
 #pragma unroll
@@ -122,38 +129,38 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     ptx::cp_async_wait<Stages - 1>();
     __syncthreads();
     // This lane's ldmatrix addresses: Q_i's A fragments, and K_j's and V_j's B fragments in stage 0.
-    const ptx::SharedAddr Q_lane = ptx::shared_addr(Q_s) + (warp_row * Smem::LDQ + mma::a_lane<Smem::LDQ>(lane)) *
-                                                           (int)sizeof(T);
-    ptx::SharedAddr K_j = ptx::shared_addr(K_s + mma::b_nk_lane<Smem::LDK>(lane));  // carried from stage to stage
-    ptx::SharedAddr V_j = ptx::shared_addr(V_s + mma::b_kn_lane<Smem::LDV>(lane));
-    unsigned Q_f[kQRegs ? MT : 1][kQRegs ? KD : 1][4];
+    const typename Math::QAddr Q_lane = Math::template q_lane<Smem::LDQ>(Q_s + warp_row * Smem::LDQ, lane);
+    typename Math::KAddr K_j = Math::template k_lane<Smem::LDK>(K_s, lane);  // carried from stage to stage
+    typename Math::VAddr V_j = Math::template v_lane<Smem::LDV>(V_s, lane);
+    typename Math::AFrag Q_f[kQRegs ? MT : 1][kQRegs ? KD : 1];
     if (kQRegs) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk)
-                mma::load_a<Smem::LDQ, T>(Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0], Q_lane, 16 * mt, 16 * kk);
+                Math::template load_a<Smem::LDQ>(Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0], Q_lane, 16 * mt,
+                                                 Math::kStep * kk);
     }
 
     // Running max m_i (log2 domain) and (per-lane partial) sum l_i of rows quad_row and quad_row + 8 of each m16
     // tile, and the unnormalized O_i in accumulator fragments.
-    float m_i[MT][2], l_i[MT][2], O_i[MT][ET][4];
+    Acc m_i[MT][2], l_i[MT][2], O_i[MT][ET][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            m_i[mt][h] = -infinity<float>();
-            l_i[mt][h] = 0.0f;
+            m_i[mt][h] = -infinity<Acc>();
+            l_i[mt][h] = Acc(0);
         }
 #pragma unroll
         for (int et = 0; et < ET; ++et)
 #pragma unroll
-            for (int x = 0; x < 4; ++x) O_i[mt][et][x] = 0.0f;
+            for (int x = 0; x < 4; ++x) O_i[mt][et][x] = Acc(0);
     }
 
     // The steady state's tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the
     // row max of raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
-    const bool positive_scale = scale_log2 > 0.0f && scale_log2 < infinity<float>();
+    const bool positive_scale = scale_log2 > Acc(0) && scale_log2 < infinity<Acc>();
     const TileRange plain = plain_tiles(ops, Bc, left, right, positive_scale);
 
     for (int tile = 0; tile < tiles; ++tile) {
@@ -166,34 +173,31 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const int stage = tile % Stages;
 
         // S_ij = Q_i K_j^T.
-        float S[MT][NT][4];
+        Acc S[MT][NT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int x = 0; x < 4; ++x) S[mt][nt][x] = 0.0f;
+                for (int x = 0; x < 4; ++x) S[mt][nt][x] = Acc(0);
 #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            unsigned a[MT][4];
+            typename Math::AFrag a[MT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                if (kQRegs) {
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) a[mt][x] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0][x];
-                } else {
-                    mma::load_a<Smem::LDQ, T>(a[mt], Q_lane, 16 * mt, 16 * kk);
-                }
+                if (kQRegs)
+                    a[mt] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0];
+                else
+                    Math::template load_a<Smem::LDQ>(a[mt], Q_lane, 16 * mt, Math::kStep * kk);
             }
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
-                unsigned bk[4];
-                mma::load_b_nk<Smem::LDK, T>(bk, K_j, 16 * np, 16 * kk);
-                const unsigned b0[2] = {bk[0], bk[1]}, b1[2] = {bk[2], bk[3]};
+                typename Math::BFrag bk;
+                Math::template load_b<Smem::LDK>(bk, K_j, 16 * np, Math::kStep * kk);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma::mma16816(S[mt][2 * np], a[mt], b0, tag);
-                    mma::mma16816(S[mt][2 * np + 1], a[mt], b1, tag);
+                    Math::mma(S[mt][2 * np], a[mt], bk, 0);
+                    Math::mma(S[mt][2 * np + 1], a[mt], bk, 1);
                 }
             }
         }
@@ -201,7 +205,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         // Other tiles: scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and
         // their bits are kept for the rare CUDA-core P V. Only partial tiles and a bias pay per element.
         const bool plain_tile = tile >= plain.lo && tile < plain.hi;
-        const float S_scale = plain_tile ? scale_log2 : 1.0f;  // what takes S to the log2 domain
+        const Acc S_scale = plain_tile ? scale_log2 : Acc(1);  // what takes S to the log2 domain
         unsigned hidden[MT][2] = {};
         bool partial = false;
         int cols = Bc;
@@ -231,29 +235,29 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         // Online softmax: a row whose max grew moves m_i there and rescales l_i by alpha = exp2(m_old - m_new);
         // O_i is rescaled only when some row of the warp moved. After the first tiles a row's running max
         // rarely grows, so most tiles skip the O_i multiplies; the results are those of rescaling by exactly 1.
-        float alpha[MT][2];  // 1 for a row whose m_i stayed
+        Acc alpha[MT][2];  // 1 for a row whose m_i stayed
         bool any_moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float tile_max = fmaxf(S[mt][0][2 * h], S[mt][0][2 * h + 1]);
+                Acc tile_max = max_(S[mt][0][2 * h], S[mt][0][2 * h + 1]);
 #pragma unroll
                 for (int nt = 1; nt < NT; ++nt)
-                    tile_max = fmaxf(tile_max, fmaxf(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
-                const float m_new = mma::quad_max(tile_max) * S_scale;
+                    tile_max = max_(tile_max, max_(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+                const Acc m_new = mma::quad_max(tile_max) * S_scale;
                 const bool moved = m_new > m_i[mt][h];  // never while nothing is visible (-inf)
-                const float m_ref = moved ? m_new : m_i[mt][h];
-                const float m_use = m_ref == -infinity<float>() ? 0.0f : m_ref;  // nothing visible yet
-                alpha[mt][h] = moved ? ptx::ex2_approx_ftz(m_i[mt][h] - m_use) : 1.0f;
+                const Acc m_ref = moved ? m_new : m_i[mt][h];
+                const Acc m_use = m_ref == -infinity<Acc>() ? Acc(0) : m_ref;  // nothing visible yet
+                alpha[mt][h] = moved ? mma::exp2_fast(m_i[mt][h] - m_use) : Acc(1);
                 any_moved |= moved;
                 m_i[mt][h] = m_ref;
-                float tile_sum = 0.0f;
+                Acc tile_sum = Acc(0);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
-                        const float p = ptx::ex2_approx_ftz(fmaf(S[mt][nt][2 * h + x], S_scale, -m_use));
+                        const Acc p = mma::exp2_fast(mma::fma_(S[mt][nt][2 * h + x], S_scale, -m_use));
                         S[mt][nt][2 * h + x] = p;
                         tile_sum += p;
                     }
@@ -269,34 +273,12 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         }
 
         // A hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look for non-finite values.
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads>(
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(
                                             V_s + stage * Bc * Smem::LDV, cols));
         if (!careful) {
-            // O_i += P_ij V_j: P in registers becomes the A operand, k16 step by k16 step.
-#pragma unroll
-            for (int kk = 0; kk < Bc / 16; ++kk) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    a[mt][0] = mma::pack2(S[mt][2 * kk][0], S[mt][2 * kk][1], tag);
-                    a[mt][1] = mma::pack2(S[mt][2 * kk][2], S[mt][2 * kk][3], tag);
-                    a[mt][2] = mma::pack2(S[mt][2 * kk + 1][0], S[mt][2 * kk + 1][1], tag);
-                    a[mt][3] = mma::pack2(S[mt][2 * kk + 1][2], S[mt][2 * kk + 1][3], tag);
-                }
-#pragma unroll
-                for (int ep = 0; ep < ET / 2; ++ep) {
-                    unsigned bv[4];
-                    mma::load_b_kn<Smem::LDV, T>(bv, V_j, 16 * kk, 16 * ep);
-                    const unsigned b0[2] = {bv[0], bv[1]}, b1[2] = {bv[2], bv[3]};
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma::mma16816(O_i[mt][2 * ep], a[mt], b0, tag);
-                        mma::mma16816(O_i[mt][2 * ep + 1], a[mt], b1, tag);
-                    }
-                }
-            }
+            Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j);  // O_i += P_ij V_j, P in registers
         } else {
-            mma::pv_by_selection<T, Bc, E, MT>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
+            mma::pv_by_selection<T, Bc, E, MT, Smem::LDV>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
                                                V_s + stage * Bc * Smem::LDV, cols, lane);
         }
         K_j = mma::next_stage<Stages, (int)Smem::k_stage>(K_j, stage);
@@ -312,9 +294,9 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = warp_row + 16 * mt + quad_row + 8 * h;
-            const float l = mma::quad_sum(l_i[mt][h]);
-            const bool nothing_visible = l == 0.0f;
-            const float inv_l = nothing_visible ? 0.0f : 1.0f / l;
+            const Acc l = mma::quad_sum(l_i[mt][h]);
+            const bool nothing_visible = l == Acc(0);
+            const Acc inv_l = nothing_visible ? Acc(0) : Acc(1) / l;
 #pragma unroll
             for (int et = 0; et < ET; ++et) {
                 if constexpr (Split) {
@@ -326,17 +308,17 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                                 O_i[mt][et][2 * h + c] * inv_l;
                     }
                 } else {
-                    *reinterpret_cast<unsigned*>(O_s + r * Smem::LDO + 8 * et + 2 * quad_col) =
-                        mma::pack2(O_i[mt][et][2 * h] * inv_l, O_i[mt][et][2 * h + 1] * inv_l, tag);
+                    Math::store_pair(O_s + r * Smem::LDO + 8 * et + 2 * quad_col, O_i[mt][et][2 * h] * inv_l,
+                                     O_i[mt][et][2 * h + 1] * inv_l);
                 }
             }
             if ((flags & kWantLse) && quad_col == 0 && r < rows)
                 lse[ops.base.of[kLse] + (i0 + r) * ops.lse.row] =
-                    nothing_visible ? -infinity<float>() : (m_i[mt][h] + log2f(l)) * kLn2;
+                    nothing_visible ? -infinity<Acc>() : (m_i[mt][h] + log2_(l)) * kLn2;
         }
     if constexpr (!Split) {
         __syncthreads();
-        mma::store_tile<T, Br, E, Threads>(out + ops.base.of[kOut] + i0 * ops.out.row, ops.out.row, ops.out.col,
+        mma::store_tile<T, Br, E, Threads, Smem::LDO>(out + ops.base.of[kOut] + i0 * ops.out.row, ops.out.row, ops.out.col,
                                            O_s, rows, (int)e);
     }
 }

@@ -15,9 +15,15 @@ constexpr int kChunk = 8;  // 16-bit elements in one 16-byte chunk: the unit of 
 // Shared-memory tiles are row-major with one chunk of padding per row: a row of Cols + 8 elements is an odd
 // number of 16-byte chunks (Cols is a multiple of 16), so the 8 row addresses of any ldmatrix phase, and the
 // 8 rows an accumulator store touches, fall in 8 different bank groups: no bank conflicts for any head dim.
-template <int Cols> struct Padded {
+// For float and double the same 16 bytes of padding serve ldmatrix, the V loads of the float products and the
+// epilogue; only Q and K tiles of doubles, read by 8-byte loads at (row g, column t), take 32 (RowPadded): a pitch
+// of 4 doubles past a multiple of 16 puts a half-warp's 16 loads in 16 different bank pairs.
+template <int Cols, typename T = __half> struct Padded {
     static_assert(Cols % 16 == 0, "tile width must be a multiple of 16");
-    static constexpr int ld = Cols + kChunk;
+    static constexpr int ld = Cols + chunk_pad<T>();
+};
+template <int Cols, typename T> struct RowPadded {
+    static constexpr int ld = sizeof(T) == 8 ? Cols + 4 : Padded<Cols, T>::ld;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -40,12 +46,27 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi, __nv_bfloat16) {
            ((unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(hi)) << 16);
 }
 
-// Whether either 16-bit value of a register is inf or NaN (all exponent bits set).
-__device__ __forceinline__ bool any_nonfinite2(unsigned w, __half) {
-    return (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
+// Whether a 16-byte chunk of T holds an inf or NaN (all exponent bits set in some element).
+__device__ __forceinline__ bool chunk_nonfinite(const Chunk16& c, __half) {
+    bool found = false;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) found |= (c.word[w] & 0x7c00u) == 0x7c00u || (c.word[w] & 0x7c000000u) == 0x7c000000u;
+    return found;
 }
-__device__ __forceinline__ bool any_nonfinite2(unsigned w, __nv_bfloat16) {
-    return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+__device__ __forceinline__ bool chunk_nonfinite(const Chunk16& c, __nv_bfloat16) {
+    bool found = false;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) found |= (c.word[w] & 0x7f80u) == 0x7f80u || (c.word[w] & 0x7f800000u) == 0x7f800000u;
+    return found;
+}
+__device__ __forceinline__ bool chunk_nonfinite(const Chunk16& c, float) {
+    bool found = false;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) found |= (c.word[w] & 0x7f800000u) == 0x7f800000u;
+    return found;
+}
+__device__ __forceinline__ bool chunk_nonfinite(const Chunk16& c, double) {  // the high words hold the exponents
+    return (c.word[1] & 0x7ff00000u) == 0x7ff00000u || (c.word[3] & 0x7ff00000u) == 0x7ff00000u;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -54,10 +75,10 @@ __device__ __forceinline__ bool any_nonfinite2(unsigned w, __nv_bfloat16) {
 // 16-byte alignment); they land at the cp_async_wait covering the caller's commit. Otherwise (strided or
 // misaligned views) plain element loads, in shared memory at once.
 
-template <typename T, int Rows, int Cols, int Threads>
+template <typename T, int Rows, int Cols, int Threads, int LD = Padded<Cols, T>::ld>
 __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long row_stride, long long col_stride,
                                                 int rows, int cols, bool vector) {
-    constexpr int LD = Padded<Cols>::ld, ChunksPerRow = Cols / kChunk;
+    constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     for (int idx = threadIdx.x; idx < Rows * ChunksPerRow; idx += Threads) {
         const int r = idx / ChunksPerRow, c = (idx % ChunksPerRow) * kChunk;
         T* to = dst + r * LD + c;
@@ -76,8 +97,8 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
 
 // A ring of Stages shared-memory stages Bytes apart: from the address in stage `stage`, the same in the next one.
 // Carried from tile to tile, such an address is never recomputed from the thread's index.
-template <int Stages, int Bytes>
-__device__ __forceinline__ ptx::SharedAddr next_stage(ptx::SharedAddr at, int stage) {
+template <int Stages, int Bytes, typename Addr>
+__device__ __forceinline__ Addr next_stage(Addr at, int stage) {
     return at + (stage == Stages - 1 ? -(Stages - 1) * Bytes : Bytes);
 }
 template <int Stages> __device__ __forceinline__ int next_stage(int stage) {
@@ -90,9 +111,9 @@ template <int Stages> __device__ __forceinline__ int next_stage(int stage) {
 // advances by a tile's rows per call and its shared addresses by a stage. Only whole chunks: the operand's width
 // `cols` is a multiple of 8 (and the copies 16-byte ones: unit column stride, aligned rows, as the launch checked);
 // a thread whose column lies past it copies nothing, its chunks zeroed once in every stage (zero_tail).
-template <typename T, int Rows, int Cols, int Threads, int Stages>
+template <typename T, int Rows, int Cols, int Threads, int Stages, int LD = Padded<Cols, T>::ld>
 struct ChunkLoader {
-    static constexpr int LD = Padded<Cols>::ld, ChunksPerRow = Cols / kChunk;
+    static constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     static constexpr bool kFits = Threads % ChunksPerRow == 0 && Rows % (Threads / ChunksPerRow) == 0;
     static constexpr int Step = Threads / ChunksPerRow, PerThread = kFits ? Rows / Step : 0;
     static constexpr int kStepBytes = Step * LD * (int)sizeof(T), kStageBytes = Rows * LD * (int)sizeof(T);
@@ -135,11 +156,13 @@ struct ChunkLoader {
 // Fragment loads with ldmatrix.x4: lanes 8j..8j+7 address the rows of 8x8 matrix j. Each operand shape has a
 // lane offset (elements from a fragment's corner to the row this lane addresses); with a tile's shared address
 // plus the lane's offset taken once, every fragment's address is that plus a constant.
-template <int LD> __device__ __forceinline__ int a_lane(int lane) {
-    return ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (lane >> 4);
+// C: elements in a 16-byte row of an 8x8 b16 matrix (8 halves; 4 floats, whose matrices ldmatrix loads as well:
+// lane L then holds row L / 4, float L % 4, which is the tf32 fragments' (g, t)).
+template <int LD, int C = kChunk> __device__ __forceinline__ int a_lane(int lane) {
+    return ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + C * (lane >> 4);
 }
-template <int LD> __device__ __forceinline__ int b_nk_lane(int lane) {
-    return ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
+template <int LD, int C = kChunk> __device__ __forceinline__ int b_nk_lane(int lane) {
+    return ((lane & 7) + 8 * (lane >> 4)) * LD + C * ((lane >> 3) & 1);
 }
 template <int LD> __device__ __forceinline__ int b_kn_lane(int lane) {
     return ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (lane >> 4);
@@ -183,13 +206,229 @@ __device__ __forceinline__ void load_b_kn(unsigned (&b)[4], const T* tile, int k
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The forward's two products per element type, FwdMath<T, Passes>: S += Q_i K_j^T one step at a time, and
+// O_i += P V_j for a whole key tile. A step covers 32 bytes of a Q and K row (16 halves, 8 floats, 4 doubles); an
+// m16 x n8 accumulator is c[4] in Acc: (row g, columns 2t, 2t + 1) and (row g + 8, the same), as for m16n8k16.
+// A fragment of an m16 tile x one step (AFrag) and B fragments of two n8 tiles x one step (BFrag) are loaded from
+// each lane's address into a tile (QAddr, KAddr: from q_lane, k_lane) plus a fragment's offset.
+
+struct Frag4 { unsigned r[4]; };  // four 32-bit registers, as ldmatrix.x4 fills them
+
+// A shared-memory pointer carried as SharedAddr is (its + adds bytes), for the types read by plain loads.
+template <typename T> struct SharedPtr {
+    const T* p;
+    __device__ __forceinline__ SharedPtr operator+(int bytes) const {
+        return {reinterpret_cast<const T*>(reinterpret_cast<const unsigned char*>(p) + bytes)};
+    }
+};
+
+__device__ __forceinline__ float exp2_fast(float x) { return ptx::ex2_approx_ftz(x); }
+__device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
+__device__ __forceinline__ float fma_(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma_(double a, double b, double c) { return fma(a, b, c); }
+
+// __half and __nv_bfloat16: mma.m16n8k16, fragments through ldmatrix, P rounded to T as the A operand of P V,
+// V_j through ldmatrix.trans. Passes is unused.
+template <typename T, int Passes> struct FwdMath {
+    using Acc = float;
+    using AFrag = Frag4;
+    using BFrag = Frag4;
+    using QAddr = ptx::SharedAddr;
+    using KAddr = ptx::SharedAddr;
+    using VAddr = ptx::SharedAddr;
+    static constexpr int kStep = 16;
+    template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
+        return ptx::shared_addr(Q_w + a_lane<LD>(lane));
+    }
+    template <int LD> __device__ static KAddr k_lane(const T* K_s, int lane) {
+        return ptx::shared_addr(K_s + b_nk_lane<LD>(lane));
+    }
+    template <int LD> __device__ static VAddr v_lane(const T* V_s, int lane) {
+        return ptx::shared_addr(V_s + b_kn_lane<LD>(lane));
+    }
+    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0) {
+        ptx::ldmatrix_x4(a.r, at + (row0 * LD + col0) * (int)sizeof(T));
+    }
+    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0) {
+        ptx::ldmatrix_x4(b.r, at + (n0 * LD + k0) * (int)sizeof(T));
+    }
+    // c += a b for n8 tile `n` (0 or 1) of b.
+    __device__ static void mma(Acc (&c)[4], const AFrag& a, const BFrag& b, int n) {
+        const unsigned bn[2] = {b.r[2 * n], b.r[2 * n + 1]};
+        mma16816(c, a.r, bn, T{});
+    }
+    template <int LD, int MT, int NT, int ET>
+    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j) {
+#pragma unroll
+        for (int kk = 0; kk < NT / 2; ++kk) {
+            AFrag a[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt].r[0] = pack2(P[mt][2 * kk][0], P[mt][2 * kk][1], T{});
+                a[mt].r[1] = pack2(P[mt][2 * kk][2], P[mt][2 * kk][3], T{});
+                a[mt].r[2] = pack2(P[mt][2 * kk + 1][0], P[mt][2 * kk + 1][1], T{});
+                a[mt].r[3] = pack2(P[mt][2 * kk + 1][2], P[mt][2 * kk + 1][3], T{});
+            }
+#pragma unroll
+            for (int ep = 0; ep < ET / 2; ++ep) {
+                BFrag bv;
+                ptx::ldmatrix_x4_trans(bv.r, V_j + (16 * kk * LD + 16 * ep) * (int)sizeof(T));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma(O[mt][2 * ep], a[mt], bv, 0);
+                    mma(O[mt][2 * ep + 1], a[mt], bv, 1);
+                }
+            }
+        }
+    }
+    __device__ static void store_pair(T* at, Acc x, Acc y) { *reinterpret_cast<unsigned*>(at) = pack2(x, y, T{}); }
+};
+
+// float: mma.m16n8k8 on TF32 operands. Passes 3 (exact): each operand x is split into x_hi = tf32(x) and
+// x_lo = tf32(x - x_hi), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first; a_lo b_lo, below
+// 2^-22 of a b, is dropped), accumulated in float. Passes 1: one product of the operands rounded to TF32.
+// Q and K fragments come through ldmatrix (a float row of an 8x8 b16 matrix is 4 floats: lane L gets row L / 4,
+// float L % 4, the tf32 layout). P V takes P straight from S's accumulators: S holds columns 2t, 2t + 1 where
+// the A operand wants t, t + 4, so the k index t of an 8-key step stands for key 2t and t + 4 for key 2t + 1,
+// and each lane reads V_j's rows 2t and 2t + 1 in that order (plain loads: ldmatrix.trans moves 16-bit elements).
+__device__ __forceinline__ void split_tf32(unsigned x, unsigned& hi, unsigned& lo) {
+    const float v = __uint_as_float(x);
+    hi = ptx::cvt_rna_tf32(v);
+    const float h = __uint_as_float(hi);
+    lo = h - h == 0.0f ? ptx::cvt_rna_tf32(v - h) : 0u;  // an inf or NaN stays in hi alone
+}
+
+template <int Passes> struct FwdMath<float, Passes> {
+    static_assert(Passes == 1 || Passes == 3, "float runs one TF32 pass or three (3xTF32)");
+    using T = float;
+    using Acc = float;
+    using AFrag = Frag4;  // raw float bits; rounded to TF32 at the product
+    using BFrag = Frag4;
+    using QAddr = ptx::SharedAddr;
+    using KAddr = ptx::SharedAddr;
+    using VAddr = SharedPtr<float>;
+    static constexpr int kStep = 8;
+    template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
+        return ptx::shared_addr(Q_w + a_lane<LD, 4>(lane));
+    }
+    template <int LD> __device__ static KAddr k_lane(const T* K_s, int lane) {
+        return ptx::shared_addr(K_s + b_nk_lane<LD, 4>(lane));
+    }
+    template <int LD> __device__ static VAddr v_lane(const T* V_s, int lane) {
+        return {V_s + 2 * (lane % 4) * LD + lane / 4};
+    }
+    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0) {
+        ptx::ldmatrix_x4(a.r, at + (row0 * LD + col0) * (int)sizeof(T));
+    }
+    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0) {
+        ptx::ldmatrix_x4(b.r, at + (n0 * LD + k0) * (int)sizeof(T));
+    }
+    // c += a b, b's registers (b0, b1) given.
+    __device__ static void mma2(Acc (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+        if constexpr (Passes == 1) {
+            const unsigned at[4] = {ptx::cvt_rna_tf32(__uint_as_float(a[0])), ptx::cvt_rna_tf32(__uint_as_float(a[1])),
+                                    ptx::cvt_rna_tf32(__uint_as_float(a[2])), ptx::cvt_rna_tf32(__uint_as_float(a[3]))};
+            const unsigned bt[2] = {ptx::cvt_rna_tf32(__uint_as_float(b[0])), ptx::cvt_rna_tf32(__uint_as_float(b[1]))};
+            ptx::mma_m16n8k8_tf32(c, at, bt, c);
+        } else {
+            unsigned a_hi[4], a_lo[4], b_hi[2], b_lo[2];
+#pragma unroll
+            for (int x = 0; x < 4; ++x) split_tf32(a[x], a_hi[x], a_lo[x]);
+#pragma unroll
+            for (int x = 0; x < 2; ++x) split_tf32(b[x], b_hi[x], b_lo[x]);
+            ptx::mma_m16n8k8_tf32(c, a_lo, b_hi, c);
+            ptx::mma_m16n8k8_tf32(c, a_hi, b_lo, c);
+            ptx::mma_m16n8k8_tf32(c, a_hi, b_hi, c);
+        }
+    }
+    __device__ static void mma(Acc (&c)[4], const AFrag& a, const BFrag& b, int n) {
+        const unsigned bn[2] = {b.r[2 * n], b.r[2 * n + 1]};
+        mma2(c, a.r, bn);
+    }
+    template <int LD, int MT, int NT, int ET>
+    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j) {
+#pragma unroll
+        for (int kk = 0; kk < NT; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {  // (g, t) <- key 2t, (g + 8, t), (g, t + 4) <- key 2t + 1, (g + 8, t + 4)
+                a[mt][0] = __float_as_uint(P[mt][kk][0]);
+                a[mt][1] = __float_as_uint(P[mt][kk][2]);
+                a[mt][2] = __float_as_uint(P[mt][kk][1]);
+                a[mt][3] = __float_as_uint(P[mt][kk][3]);
+            }
+#pragma unroll
+            for (int et = 0; et < ET; ++et) {
+                const unsigned b[2] = {__float_as_uint(V_j.p[8 * kk * LD + 8 * et]),
+                                       __float_as_uint(V_j.p[(8 * kk + 1) * LD + 8 * et])};
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma2(O[mt][et], a[mt], b);
+            }
+        }
+    }
+    __device__ static void store_pair(T* at, Acc x, Acc y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); }
+};
+
+// double: mma.m8n8k4 (DMMA), two per m16 x n8 x k4 step (rows g and g + 8), each product an IEEE fused
+// multiply-add. Fragments by 8-byte loads: lane (g, t) reads row g (and g + 8), column t. As for float, the k
+// index t of P's two 4-key steps per n8 tile stands for key 2t (step 0) and 2t + 1 (step 1).
+template <int Passes> struct FwdMath<double, Passes> {
+    using T = double;
+    using Acc = double;
+    struct AFrag { double x[2]; };  // rows g and g + 8, column t
+    struct BFrag { double x[2]; };  // n8 tiles 0 and 1: row g of each (a key), column t
+    using QAddr = SharedPtr<double>;
+    using KAddr = SharedPtr<double>;
+    using VAddr = SharedPtr<double>;
+    static constexpr int kStep = 4;
+    template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) { return {Q_w + lane / 4 * LD + lane % 4}; }
+    template <int LD> __device__ static KAddr k_lane(const T* K_s, int lane) { return {K_s + lane / 4 * LD + lane % 4}; }
+    template <int LD> __device__ static VAddr v_lane(const T* V_s, int lane) {
+        return {V_s + 2 * (lane % 4) * LD + lane / 4};
+    }
+    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0) {
+        a.x[0] = at.p[row0 * LD + col0];
+        a.x[1] = at.p[(row0 + 8) * LD + col0];
+    }
+    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0) {
+        b.x[0] = at.p[n0 * LD + k0];
+        b.x[1] = at.p[(n0 + 8) * LD + k0];
+    }
+    // c += (rows g, g + 8 of A: a_top, a_bottom) b.
+    __device__ static void mma2(Acc (&c)[4], double a_top, double a_bottom, double b) {
+        double top[2] = {c[0], c[1]}, bottom[2] = {c[2], c[3]};
+        ptx::mma_m8n8k4_f64(top, a_top, b, top);
+        ptx::mma_m8n8k4_f64(bottom, a_bottom, b, bottom);
+        c[0] = top[0], c[1] = top[1], c[2] = bottom[0], c[3] = bottom[1];
+    }
+    __device__ static void mma(Acc (&c)[4], const AFrag& a, const BFrag& b, int n) { mma2(c, a.x[0], a.x[1], b.x[n]); }
+    template <int LD, int MT, int NT, int ET>
+    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j) {
+#pragma unroll
+        for (int kk = 0; kk < NT; ++kk)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int et = 0; et < ET; ++et) {
+                    const double b = V_j.p[(8 * kk + h) * LD + 8 * et];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma2(O[mt][et], P[mt][kk][h], P[mt][kk][2 + h], b);
+                }
+    }
+    __device__ static void store_pair(T* at, Acc x, Acc y) {
+        at[0] = x;
+        at[1] = y;
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
 // Row reductions over the four lanes (a quad) that hold one accumulator row.
 
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+template <typename A> __device__ __forceinline__ A quad_max(A x) {
+    x = max_(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return max_(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
-__device__ __forceinline__ float quad_sum(float x) {
+template <typename A> __device__ __forceinline__ A quad_sum(A x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
@@ -199,26 +438,25 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // Whether the first `rows` rows of a padded tile (V_j in the forward) hold an inf or NaN (rows past `rows` and
 // columns past the operand's width are zeros).
-template <typename T, int Cols, int Threads>
+template <typename T, int Cols, int Threads, int LD = Padded<Cols, T>::ld>
 __device__ __forceinline__ bool tile_nonfinite(const T* tile, int rows) {
-    constexpr int LD = Padded<Cols>::ld, ChunksPerRow = Cols / kChunk;
+    constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     bool found = false;
     for (int idx = threadIdx.x; idx < rows * ChunksPerRow; idx += Threads) {
         const T* chunk = tile + (idx / ChunksPerRow) * LD + (idx % ChunksPerRow) * kChunk;
-        const Chunk16 c = *reinterpret_cast<const Chunk16*>(chunk);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) found = found || any_nonfinite2(c.word[w], T{});
+        found = found || chunk_nonfinite(*reinterpret_cast<const Chunk16*>(chunk), T{});
     }
     return found;
 }
 
 // O_i += P_ij V_j on CUDA cores with hidden keys skipped by selection (forward.cuh's rule), for one warp's
 // m16 tiles: P goes through the warp's scratch rows P_w in T (as the tensor-core path rounds it), hidden as -1.
-template <typename T, int Bc, int E, int MT>
-__device__ __forceinline__ void pv_by_selection(float (&O_i)[MT][E / 8][4], const float (&P)[MT][Bc / 8][4],
+// V_j's rows are LDV elements apart.
+template <typename T, int Bc, int E, int MT, int LDV, typename Acc>
+__device__ __forceinline__ void pv_by_selection(Acc (&O_i)[MT][E / 8][4], const Acc (&P)[MT][Bc / 8][4],
                                                 const unsigned (&hidden)[MT][2], T* P_w, const T* V_j, int cols,
                                                 int lane) {
-    constexpr int LDP = Padded<Bc>::ld, LDV = Padded<E>::ld;
+    constexpr int LDP = Padded<Bc, T>::ld;
     const int quad_row = lane / 4, quad_col = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -229,13 +467,13 @@ __device__ __forceinline__ void pv_by_selection(float (&O_i)[MT][E / 8][4], cons
 #pragma unroll
                 for (int x = 0; x < 2; ++x)
                     P_w[(quad_row + 8 * h) * LDP + 8 * nt + 2 * quad_col + x] =
-                        from_acc<T>((hidden[mt][h] >> (2 * nt + x) & 1u) ? -1.0f : P[mt][nt][2 * h + x]);
+                        from_acc<T>((hidden[mt][h] >> (2 * nt + x) & 1u) ? Acc(-1) : P[mt][nt][2 * h + x]);
         __syncwarp();
         for (int j = 0; j < cols; ++j) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float p = to_acc(P_w[(quad_row + 8 * h) * LDP + j]);
-                if (p < 0.0f) continue;  // hidden (a visible p is >= 0 or NaN)
+                const Acc p = to_acc(P_w[(quad_row + 8 * h) * LDP + j]);
+                if (p < Acc(0)) continue;  // hidden (a visible p is >= 0 or NaN)
 #pragma unroll
                 for (int et = 0; et < E / 8; ++et)
 #pragma unroll
@@ -292,10 +530,10 @@ __device__ __forceinline__ void acc_by_selection(float (&out)[MT][N / 8][4], con
 // ---------------------------------------------------------------------------------------------------------------
 // The epilogue's store: a Rows x Cols staging tile to global rows (rows x cols of it), 16 bytes per thread and
 // step when the destination allows (unit column stride, 16-byte aligned rows), else element by element.
-template <typename T, int Rows, int Cols, int Threads>
+template <typename T, int Rows, int Cols, int Threads, int LD = Padded<Cols, T>::ld>
 __device__ __forceinline__ void store_tile(T* dst, long long row_stride, long long col_stride, const T* tile,
                                            int rows, int cols) {
-    constexpr int LD = Padded<Cols>::ld, ChunksPerRow = Cols / kChunk;
+    constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     const bool vector = col_stride == 1 && row_stride % kChunk == 0 &&
                         reinterpret_cast<unsigned long long>(dst) % 16 == 0;
     for (int idx = threadIdx.x; idx < Rows * ChunksPerRow; idx += Threads) {
