@@ -1,7 +1,7 @@
 """SASS report: the hot loop of each kernel the planner picks, read statically from the compiler's SASS.
 
     python -m bench.sass_report [--gpu H100 ...] [--dtype float16 ...] [--d 64 ...] [--n N] [--m M] [--causal]
-                                [--block mma|fma|BrxBc] [--kernels all|forward|backward]
+                                [--block mma|fma|BrxBc] [--kernels all|forward|backward] [--precision P ...]
                                 [--json FILE] [--sass-dir DIR] [--tiny]
 
 Each kernel is compiled with NVRTC for the GPU's architecture (no GPU needed) and disassembled with cuobjdump.
@@ -391,13 +391,13 @@ LANES_PER_ROW = 16  # kLanesPerRow in kernels/forward.cuh: the lanes of a row gr
 @dataclass(frozen=True)
 class Step:
     name: str
-    unit: str  # what `work` counts per thread: "chunks" (and `elements`), "rows" or "fmas"
+    unit: str  # what `work` counts per thread: "chunks" (and `elements`), "rows", "fmas" or "mmas" (per warp)
     work: int
     elements: int = 0
 
     @property
     def kind(self) -> str:
-        return "fma" if self.unit == "fmas" else "load"
+        return {"fmas": "fma", "mmas": "tensor"}.get(self.unit, "load")
 
 
 def steps(plan) -> List[Step]:
@@ -415,7 +415,14 @@ def steps(plan) -> List[Step]:
     else:
         loads = [load("K_j", Bc, D), load("V_j", Bc, E)]
     if config.variant == "mma":
-        return loads
+        if shape.dtype.itemsize == 2 or kind != "forward":
+            return loads
+        # float32 and float64 take Q K^T step by step in a loop (kernels/mma_tile.cuh's kUnrollSteps): its
+        # tensor instructions per warp are MT x NT x (D / step) x those of one step (3 or 1 TF32, 2 DMMA)
+        mt, item = Br // (16 * config.warps), shape.dtype.itemsize
+        per_step = 2 if item == 8 else 3 if shape.precision == "highest" else 1
+        mmas = mt * (Bc // 8) * (D * item // 32) * per_step
+        return loads + [Step("S = Q K^T over d", "mmas", mmas)]
     own = (Bc if kind == "dkdv" else Br) // (threads // LANES_PER_ROW)  # rows of the block's own tile per thread
     products = {
         "forward": [("S = Q K^T over d", Bc, d), ("O += P V over Bc", E, Bc)],
@@ -433,6 +440,8 @@ def per_iteration(step: Step, counts: Tally) -> Tuple[int, int]:
 
     if step.unit == "fmas":
         return step.work, count(lambda cls, op: cls == "fma")
+    if step.unit == "mmas":
+        return step.work, count(lambda cls, op: cls == "tensor")
     if step.unit == "rows":
         return step.work, count(lambda cls, op: cls == "shared_store") // 2
     chunks = count(lambda cls, op: cls in ("global", "cp_async") and op.startswith("LDG") and "128" in op.split("."))
@@ -516,7 +525,8 @@ class Rates:
     are cuflash.DeviceLimits.known's."""
 
     clock_ghz: float
-    tensor_16bit: float  # dense float16/bfloat16 FLOP through mma.sync
+    tensor_16bit: float  # dense float16/bfloat16 FLOP through mma.sync (TF32: half of it)
+    tensor_fp64: float  # dense float64 FLOP through DMMA (mma.m8n8k4)
     fp32: int  # lanes of FFMA, FMUL, FADD (the 16-bit CUDA-core ops counted alike)
     fp64: int  # lanes of DFMA, DMUL, DADD
     issue: int = 4  # warp instructions: 4 schedulers, one each per clock
@@ -527,11 +537,13 @@ class Rates:
 # A100 (SXM): 312 dense fp16 tensor TFLOP/s = 108 SMs x 1.41 GHz x 2048 FLOP (1024 FMA) per clock; 64 FP32 and
 # 32 FP64 lanes per SM. H100/H200 (SXM): 989 dense TFLOP/s = 132 x 1.83 GHz x 4096 FLOP per clock, through wgmma;
 # mma.sync, which these kernels use, reaches about two thirds of that (measured on Hopper by others), taken here
-# as 2731 FLOP per clock; 128 FP32 and 64 FP64 lanes per SM.
+# as 2731 FLOP per clock; 128 FP32 and 64 FP64 lanes per SM. TF32 runs at half the 16-bit rate (156 and 495
+# dense TFLOP/s); float64 tensor cores give 19.5 TFLOP/s on an A100 (128 FLOP per clock) and 67 on an H100/H200
+# (277 per clock), through mma.m8n8k4 alone.
 RATES = {
-    "A100": Rates(1.41, 2048, 64, 32),
-    "H100": Rates(1.83, 4096 * 2 / 3, 128, 64),
-    "H200": Rates(1.83, 4096 * 2 / 3, 128, 64),
+    "A100": Rates(1.41, 2048, 128, 64, 32),
+    "H100": Rates(1.83, 4096 * 2 / 3, 277, 128, 64),
+    "H200": Rates(1.83, 4096 * 2 / 3, 277, 128, 64),
 }
 MMA_FLOPS = {"16816": 4096, "1688": 2048, "8816": 2048, "884": 512}  # per warp: 2 m n k of the shape
 FP32_PIPE, FP64_PIPE = {"FFMA", "FMUL", "FADD", "HFMA2", "HADD2", "HMUL2"}, {"DFMA", "DMUL", "DADD"}
@@ -563,7 +575,9 @@ def bound(path: Tally, plan, rates: Rates, sm_count: int) -> dict:
         clocks["issue"] += n / rates.issue
         if cls == "tensor":
             shape = next((p for p in op.split(".")[1:] if p in MMA_FLOPS), "16816")
-            clocks["tensor"] += n * MMA_FLOPS[shape] / rates.tensor_16bit
+            rate = rates.tensor_fp64 if base == "DMMA" else \
+                rates.tensor_16bit / 2 if "TF32" in op.split(".") else rates.tensor_16bit
+            clocks["tensor"] += n * MMA_FLOPS[shape] / rate
         if cls in ("fma", "float") and base in FP32_PIPE:
             clocks["fma"] += n * 32 / rates.fp32
         if base in FP64_PIPE:
@@ -647,9 +661,10 @@ def _compile(job):
 DTYPES = {"float16": np.float16, "bfloat16": bfloat16, "float32": np.float32, "float64": np.float64}
 
 
-def plans(gpu: str, dtype: str, d: int, n: int, m: int, batch: int, block, kernels_wanted: str):
+def plans(gpu: str, dtype: str, d: int, n: int, m: int, batch: int, block, kernels_wanted: str,
+          precision: str = "highest"):
     """[(kind, plan, or the sentence saying why there is none)] of what the planner picks for the problem."""
-    device, shape = DeviceLimits.known(gpu), Shape(DTYPES[dtype], d, d, n, m, batch)
+    device, shape = DeviceLimits.known(gpu), Shape(DTYPES[dtype], d, d, n, m, batch, precision)
     result = []
     if kernels_wanted in ("all", "forward"):
         try:
@@ -704,6 +719,7 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
     device = DeviceLimits.known(gpu)
     row = {
         "gpu": gpu, "arch": device.arch, "sm_count": device.sm_count, "dtype": plan.shape.dtype.name,
+        "precision": plan.shape.precision,
         "d": plan.shape.d, "e": plan.shape.e, "n": plan.shape.n, "m": plan.shape.m, "causal": causal,
         "kind": plan.family.kind, "kernel": plan.name, "config": str(plan.config), "warps": plan.config.warps,
         "usage": compiled["usage"], "loop": {"first": f"{loop.first:#x}", "last": f"{loop.last:#x}"},
@@ -720,11 +736,14 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
     return row
 
 
-def run(gpus, dtypes, head_dims, n, m, causal=False, block=None, kernels_wanted="all", batch=1, workers=2):
+def run(gpus, dtypes, head_dims, n, m, causal=False, block=None, kernels_wanted="all", batch=1, workers=2,
+        precisions=("highest",)):
     """(rows, {(gpu, name expression): SASS}) for every kernel the planner picks, one NVRTC program per source
-    file and architecture, compiled in parallel."""
+    file and architecture, compiled in parallel. precisions: those of float32 to plan for (the other dtypes take
+    the first)."""
     picked = [(gpu, dtype, d, kind, plan) for gpu in gpus for dtype in dtypes for d in head_dims
-              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted)]
+              for precision in (precisions if dtype == "float32" else precisions[:1])
+              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted, precision)]
     jobs = {}
     for gpu, _, _, _, plan in picked:
         if not isinstance(plan, str):
@@ -832,6 +851,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", choices=("all", "forward", "backward"), default="all")
     parser.add_argument("--json", help="write every count and assumption to this file")
     parser.add_argument("--sass-dir", help="write each kernel's SASS to its own file in this folder")
+    parser.add_argument("--precision", action="append", choices=("highest", "tf32", "fma"),
+                        help="float32's precision= (default highest); several give a row each")
     parser.add_argument("--tiny", action="store_true", help="CI mode: the float16 forward at d = 64 on an H100")
     args = parser.parse_args(argv)
     if cuobjdump() is None or not nvrtc_available():
@@ -843,7 +864,8 @@ def main(argv=None) -> int:
     else:
         gpus, dtypes = args.gpu or ["H100", "A100"], args.dtype or ["float16", "bfloat16", "float32"]
         dims, wanted = args.d or [64, 128], args.kernels
-    rows, sass = run(gpus, dtypes, dims, args.n, args.m, args.causal, args.block, wanted, args.batch)
+    rows, sass = run(gpus, dtypes, dims, args.n, args.m, args.causal, args.block, wanted, args.batch,
+                     precisions=tuple(args.precision or ["highest"]))
     print(HEADER)
     print(f"n = {args.n}, m = {args.m}, batch x heads = {args.batch}{', causal' if args.causal else ''}\n")
     print(table(rows))

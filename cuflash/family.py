@@ -132,7 +132,8 @@ class Family:
     buckets: (D, E) of the instantiation. template_args(shape, config, split): the name expression's arguments.
     column_width: the widest e one launch covers (wider e is split into column blocks).
     candidates(shape): lists of configurations in preference order, tried list by list.
-    register_target: accumulator words a chosen configuration keeps at most; register_limit: past it, refused.
+    register_target: accumulator words a chosen configuration keeps at most; register_limit: past it, refused;
+    register_bounds_of(shape): (target, limit) where they depend on the dtype or precision (None: the two above).
     register_advice: what to change when over the limit.
     kind: what it computes ("forward"; "dq" or "dkdv", the two halves of the backward). tiles_along: the axis its
     blocks tile ("queries": one block per Br queries; "keys": one per Bc keys). operands, scalars: its parameters
@@ -156,6 +157,7 @@ class Family:
     register_limit: int
     register_advice: str
     stages: Tuple[int, ...] = field(default=(1,))
+    register_bounds_of: Optional[Callable[[Shape], Tuple[int, int]]] = None
     kind: str = "forward"
     tiles_along: str = "queries"
     operands: Tuple[str, ...] = FORWARD_OPERANDS
@@ -163,6 +165,12 @@ class Family:
 
     def __repr__(self):
         return f"<the {self.title} kernel family {self.variant!r}{'' if self.kind == 'forward' else ' ' + self.kind}>"
+
+    def register_bounds(self, shape: Shape) -> Tuple[int, int]:
+        """(target, limit) of the accumulator words a configuration for shape keeps."""
+        if self.register_bounds_of is not None:
+            return self.register_bounds_of(shape)
+        return self.register_target, self.register_limit
 
     def tiles(self, shape: Shape, config: BlockConfig) -> int:
         """Blocks along the grid's x axis (per key split): one per query tile, or per key tile (0: unknown)."""
@@ -221,10 +229,10 @@ class Family:
         if smem > device.smem_per_block:
             reasons.append(f"{what} needs {fmt_bytes(smem)} of shared memory; {device.name} allows "
                            f"{fmt_bytes(device.smem_per_block)} per block")
-        words = self.accumulator_words(shape, config)
-        if words > self.register_limit:
+        words, limit = self.accumulator_words(shape, config), self.register_bounds(shape)[1]
+        if words > limit:
             reasons.append(f"{what} keeps {words} accumulator registers per thread, more than the "
-                           f"{self.register_limit} the kernel holds without spilling; {self.register_advice}")
+                           f"{limit} the kernel holds without spilling; {self.register_advice}")
         return reasons
 
     # ---- the heuristic within the family ----------------------------------------------------------------------
@@ -239,7 +247,7 @@ class Family:
             return None
         for candidates in self.candidates(shape):
             runs = [c for c in candidates if self.runs(shape, c, device)]
-            roomy = [c for c in runs if self.accumulator_words(shape, c) <= self.register_target]
+            roomy = [c for c in runs if self.accumulator_words(shape, c) <= self.register_bounds(shape)[0]]
             if roomy or runs:
                 return (roomy or runs)[0]
         return None

@@ -30,6 +30,18 @@ ITEM = 2  # bytes per element of the 16-bit types (the backward's)
 # target, which compiles without spills at 200-250 registers; past the limit spills are likely.
 REGISTER_TARGET = 144
 REGISTER_LIMIT = 160
+# float32 and float64 take the rest of the registers for their products: 3xTF32 keeps each operand's raw, high
+# and low parts (and spills with any 32-key tile: it takes 16-key tiles, TF32_3X_BC), float64 two registers per
+# value. ptxas's counts for every candidate (sm_80 and sm_90) put their spill thresholds here, so 3xTF32 runs head
+# dims up to 64, one TF32 pass up to 128 and float64 up to 64; past them the CUDA-core kernel runs
+# (tests/test_cubin.py compiles every choice).
+REGISTER_BOUNDS = {("float32", "highest"): (40, 40), ("float32", "tf32"): (80, 80), ("float64", "highest"): (80, 80)}
+TF32_3X_BC = 16
+
+
+def register_bounds(shape: Shape) -> tuple:
+    """(target, limit) of accumulator words for shape's dtype and precision."""
+    return REGISTER_BOUNDS.get((shape.dtype.name, shape.precision), (REGISTER_TARGET, REGISTER_LIMIT))
 
 
 def bucket(size: int) -> int:
@@ -42,10 +54,9 @@ def tiles_per_warp(config: BlockConfig) -> int:
 
 
 def q_in_registers(shape: Shape, config: BlockConfig) -> bool:
-    """Q_i's A fragments stay in registers for the whole sweep when they take at most 32 of them (never for
-    float64, whose accumulators take two registers each)."""
-    item = shape.dtype.itemsize
-    return item <= 4 and tiles_per_warp(config) * bucket(shape.d) * item <= 256
+    """Q_i's A fragments of the 16-bit types stay in registers for the whole sweep when they take at most 32 of
+    them (float32's and float64's are read step by step: their products need the registers)."""
+    return shape.dtype.itemsize == 2 and tiles_per_warp(config) * bucket(shape.d) <= 128
 
 
 def row_pads(shape: Shape) -> tuple:
@@ -132,6 +143,9 @@ def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
     if not (config.Bc % 16 == 0 and 16 <= config.Bc <= MAX_BC):
         reasons.append(f"Bc={config.Bc} is not supported by the tensor-core kernel: Bc must be a multiple of 16 "
                        f"between 16 and {MAX_BC}")
+    elif shape.dtype.name == "float32" and shape.precision == "highest" and config.Bc != TF32_3X_BC:
+        reasons.append(f"Bc={config.Bc} is not supported by the tensor-core kernel's 3xTF32 float32: its split "
+                       f"operands take the registers of {TF32_3X_BC}-key tiles (precision='tf32' takes larger ones)")
     return reasons
 
 
@@ -166,7 +180,7 @@ FORWARD = Family(
     registers_estimate=registers_estimate, template_args=template_args,
     column_width=lambda shape, config: max(1, shape.e), candidates=candidates,
     register_target=REGISTER_TARGET, register_limit=REGISTER_LIMIT,
-    register_advice="use a smaller Br or Bc, or more warps", stages=STAGES)
+    register_advice="use a smaller Br or Bc, or more warps", stages=STAGES, register_bounds_of=register_bounds)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def on_device(x, to_device):
     return xp.lib.stride_tricks.as_strided(span[-lo // item:], shape=x.shape, strides=x.strides)
 
 
-def record_events(case, backend, block=None):
+def record_events(case, backend, block=None, precision=None):
     """Tell hypothesis's statistics what this example reaches (`--hypothesis-show-statistics`): dtype, causal,
     window, mask, bias, large logits, poisoned hidden keys, and for the kernels the kernel, its head-dim bucket,
     several key tiles, more rows than one query tile and split keys. Outside a property it does nothing."""
@@ -80,7 +80,7 @@ def record_events(case, backend, block=None):
     if backend == "simt":
         from cuflash import tiling
         from cuflash.backends import simt
-        problem = problem_and_outputs(case.q, case.k, case.v, **o)[0]
+        problem = problem_and_outputs(case.q, case.k, case.v, precision=precision, **o)[0]
         plan = tiling.plan(problem.shape, simt.DEVICE, block)
         config = plan.config
         D = plan.family.buckets(problem.shape, config)[0]
@@ -94,7 +94,7 @@ def record_events(case, backend, block=None):
 def check_case(case, backend=None, to_device=None, **extra):
     """to_device: optional function moving NumPy arrays to the backend's array type (and back with .get());
     operands and out= keep their layout there (on_device)."""
-    record_events(case, backend, extra.get("block"))
+    record_events(case, backend, extra.get("block"), extra.get("precision"))
     dtype = np.dtype(result_dtype_name(case.q, case.k, case.v))
     move = (lambda x: on_device(x, to_device)) if to_device else (lambda x: x)
     out = move(poisoned_out(result_shape(case), dtype, case.out_kind))

@@ -134,6 +134,7 @@ def test_presets_cover_the_sweep():
     assert {"float16", "bfloat16", "float32"} <= {p.dtype for p in sweep}
     short = PRESETS["short"].points
     assert len(short) <= 10 and any(p.causal for p in short) and any(p.m != p.n for p in short)
+    assert {"float32", "float64"} <= {p.dtype for p in short} and {"float32", "float64"} <= {p.dtype for p in sweep}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -222,7 +223,8 @@ def test_the_gpu_path_runs_every_backend_or_says_why(monkeypatch, tmp_path):
               Point("bfloat16", 1, 2, 32, 32, 16, True))
     preset = Preset(points, ((32, 32),), True, 1, 3, 64, budget_s=0.1)
     runners = runners_for(dev, preset.blocks, [])
-    assert [r.name for r in runners] == ["cuflash", "cuflash[32x32]", "naive-cupy", "torch-flash",
+    assert [r.name for r in runners] == ["cuflash", "cuflash[32x32]", "cuflash[tf32]", "cuflash[fma]", "naive-cupy",
+                                         "torch-flash",
                                          "torch-efficient", "torch-cudnn", "torch-math"]
     meta = make_meta(dev, "fake", preset, "test", datetime.datetime.now())
     results = run_sweep(dev, preset, list(points), runners, tmp_path, meta, None)

@@ -32,7 +32,7 @@ H100, A100, A10, L4, V100 = (DeviceLimits.known(name) for name in ("H100", "A100
 # Properties
 
 
-@given(cases(dtypes=WIDE, lengths=(1, 7, 33, 64, 150), head_dims=(3, 32, 59, 64, 100, 128),
+@given(cases(dtypes=WIDE, lengths=(1, 7, 33, 64, 150, 203), head_dims=(3, 32, 59, 64),
              mixed_dtypes=False, max_batch_dims=1, magnitudes=(1.0, 1.0, 12.0)),
        st.sampled_from((None, "highest", "tf32")))
 @settings(max_examples=30)
@@ -49,9 +49,8 @@ def test_split_keys(case, precision):
     check_case(case, backend="simt", block="mma", precision=precision)
 
 
-@pytest.mark.parametrize("dtype, precision, d", [(F32, "highest", 32), (F32, "tf32", 96), (F32, "highest", 160),
-                                                 (F32, "highest", 256), (F64, None, 32), (F64, None, 64),
-                                                 (F64, None, 128)])
+@pytest.mark.parametrize("dtype, precision, d", [(F32, "highest", 32), (F32, "highest", 64), (F32, "tf32", 96),
+                                                 (F32, "tf32", 128), (F64, None, 32), (F64, None, 64)])
 def test_native_head_dims(dtype, precision, d):
     """Buckets of each type, with a window straddling tiles, a key tail and rows past n in the last tile."""
     rng = np.random.default_rng(d)
@@ -61,21 +60,22 @@ def test_native_head_dims(dtype, precision, d):
     assert_accurate(out, q, k, v, lse=lse, window=(40, 3), precision=precision)
 
 
-# Within float64's registers for head dims up to 64 (its two-register accumulators): two m16 tiles per warp
-# with 16-key tiles.
 BLOCKS = (BlockConfig.mma(16, 16, 1), BlockConfig.mma(32, 32, 2), BlockConfig.mma(64, 16, 4),
-          BlockConfig.mma(64, 16, 2, stages=3), BlockConfig.mma(128, 16, 4))
+          BlockConfig.mma(32, 16, 2, stages=3), BlockConfig.mma(128, 16, 4), BlockConfig.mma(128, 64, 8))
 
 
 @given(cases(dtypes=WIDE, lengths=(1, 5, 33, 97), head_dims=(3, 32, 59), mixed_dtypes=False, max_batch_dims=1,
-             magnitudes=(1.0, 12.0)), st.sampled_from(BLOCKS))
-@settings(max_examples=5)
-def test_block_configurations(case, block):
-    check_case(case, backend="simt", block=block)
+             magnitudes=(1.0, 12.0)), st.sampled_from(("highest", "tf32")), st.data())
+@settings(max_examples=6)
+def test_block_configurations(case, precision, data):
+    """Forced tiles, among those the planner accepts for the drawn dtype, precision and head dims."""
+    problem = problem_and_outputs(case.q, case.k, case.v, precision=precision, **case.options)[0]
+    runs = [b for b in BLOCKS if not tiling.not_supported_reasons(problem.shape, b, cuflash.backends.simt.DEVICE)]
+    check_case(case, backend="simt", block=data.draw(st.sampled_from(runs)), precision=precision)
 
 
-@pytest.mark.parametrize("schedule, dtype, block", [("reverse", F32, BlockConfig.mma(32, 16, 1)),
-                                                     ("20261202", F64, BlockConfig.mma(64, 16, 2, stages=3))])
+@pytest.mark.parametrize("schedule, dtype, block", [("reverse", F32, BlockConfig.mma(32, 16, 2)),
+                                                     ("20261202", F64, BlockConfig.mma(32, 16, 2, stages=3))])
 @given(data=st.data())
 @settings(max_examples=4)
 def test_emulator_schedules(schedule, dtype, block, data):
@@ -106,7 +106,7 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype, precision):
     k[:3], v[:3] = np.nan, np.inf
     v[45, 5] = np.inf  # visible to the later rows unless masked
     v[60:, 7] = np.nan
-    for block in (BlockConfig.mma(16, 32, 1), BlockConfig.mma(64, 32, 4)):
+    for block in (BlockConfig.mma(16, 16, 1), BlockConfig.mma(64, 16, 4)):
         out, lse = cuflash.attention(q, k, v, mask=mask, causal=True, backend="simt", block=block,
                                      precision=precision, return_lse=True)
         assert_accurate(out, q, k, v, lse=lse, mask=mask, causal=True, precision=precision)
@@ -143,12 +143,21 @@ def test_grouped_query_attention_strided_views_and_bias():
 # The planner: which kernel runs each dtype and precision, and why not
 
 
+# The largest head dim each runs on tensor cores (tensorcore.REGISTER_BOUNDS): past it, registers would spill.
+TENSOR_CORE_HEAD_DIMS = {(F32, "highest"): 64, (F32, "tf32"): 128, (F64, "highest"): 64}
+
+
 @pytest.mark.parametrize("device", [H100, A100, A10, L4])
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 100, 128, 256])
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
-def test_float32_runs_on_tensor_cores_by_default(device, d, precision):
+def test_float32_runs_on_tensor_cores_up_to_its_head_dims(device, d, precision):
     shape = Shape(F32, d, d, precision=precision)
     config = tiling.choose(shape, device)
+    if d > TENSOR_CORE_HEAD_DIMS[(F32, precision)]:
+        assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
+        reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(64, 16), device)
+        assert any("accumulator registers" in r for r in reasons), reasons
+        return
     assert config.variant == "mma" and not tiling.not_supported_reasons(shape, config, device)
     passes = tensorcore.PASSES[precision]
     assert tiling.plan(shape, device).name.endswith(f", false, {passes}>")
@@ -157,15 +166,15 @@ def test_float32_runs_on_tensor_cores_by_default(device, d, precision):
 @pytest.mark.parametrize("d", [32, 64, 128, 256])
 def test_float64_runs_on_dmma_only_where_it_is_fast(d):
     for device in (H100, A100):
-        config = tiling.choose(Shape(F64, d, d), device)
-        if d > 128:  # O_i's float64 accumulators alone would take e = 256 registers per thread
-            assert config.variant == "fma"
-            assert not tensorcore.FORWARD.first_fit(Shape(F64, d, d), device)
-            reasons = tiling.not_supported_reasons(Shape(F64, d, d), BlockConfig.mma(64, 16), device)
+        shape = Shape(F64, d, d)
+        config = tiling.choose(shape, device)
+        if d > TENSOR_CORE_HEAD_DIMS[(F64, "highest")]:  # O_i's float64 accumulators take e registers
+            assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
+            reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(64, 16), device)
             assert any("accumulator registers" in r for r in reasons), reasons
             continue
         assert config.variant == "mma"
-        assert tensorcore.accumulator_words(Shape(F64, d, d), config) <= tensorcore.REGISTER_TARGET
+        assert tensorcore.accumulator_words(shape, config) <= tensorcore.register_bounds(shape)[1]
     for device in (A10, L4, V100):
         assert tiling.choose(Shape(F64, d, d), device).variant == "fma"
     reasons = tiling.not_supported_reasons(Shape(F64, d, d), BlockConfig.mma(64, 16), A10)

@@ -26,29 +26,39 @@ class Runner:
     allocator: str = "device"  # whose counter sees its allocations: "device" (CuPy / tracemalloc) or "torch"
 
 
-def cuflash_runner(block) -> Runner:
+def cuflash_runner(block, precision=None) -> Runner:
+    """cuflash with the planner's tiles (block None) or forced ones; precision (float32 and float64 points only:
+    "tf32", or "fma" for the CUDA-core kernel) beside the default."""
     def prepare(dev, point, sets):
+        if precision is not None and point.dtype not in ("float32", "float64"):
+            raise Skip(f"precision={precision!r} is timed on float32 and float64 points")
+        if precision == "tf32" and point.dtype != "float32":
+            raise Skip("precision='tf32' is float32's")
         cuflash = import_cuflash()
         arrays = sets.native_arrays()
-        options = dict(causal=point.causal, backend=dev.array_module, block=block)
+        options = dict(causal=point.causal, backend=dev.array_module, block=block, precision=precision)
 
         def call(i):
             return cuflash.attention(*arrays[i % len(arrays)], **options)
 
-        call.block, call.splits = heuristic_plan(point) if block is None and dev.gpu else (block, None)
+        call.block, call.splits = heuristic_plan(point, precision) if block is None and dev.gpu else (block, None)
         return call
 
     name = "cuflash" if block is None else f"cuflash[{block[0]}x{block[1]}]"
-    return Runner(name, "cuflash", "heuristic" if block is None else f"block={block[0]}x{block[1]}", prepare)
+    variant = "heuristic" if block is None else f"block={block[0]}x{block[1]}"
+    if precision is not None:
+        name, variant = f"cuflash[{precision}]", f"precision={precision}"
+    return Runner(name, "cuflash", variant, prepare)
 
 
-def heuristic_plan(point: Point) -> Tuple[Optional[Tuple[int, int]], Optional[int]]:
+def heuristic_plan(point: Point, precision=None) -> Tuple[Optional[Tuple[int, int]], Optional[int]]:
     """((Br, Bc), key splits) that cuflash's planner picks for this point on the current GPU; (None, None) without
     one. The point's n, m and batch count matter: decoding shapes take other tiles and split keys."""
     from cuflash import BackendUnavailableError, tiling
     from cuflash.family import Shape
 
-    shape = Shape(float_dtype(point.dtype), point.d, point.d, point.n, point.m, point.batch * point.heads)
+    shape = Shape(float_dtype(point.dtype), point.d, point.d, point.n, point.m, point.batch * point.heads,
+                  precision or "highest")
     try:
         plan = tiling.plan(shape, tiling.DeviceLimits.of())
     except (BackendUnavailableError, ValueError):  # no GPU here, or nothing fits it: the record says none
@@ -164,7 +174,9 @@ def torch_causal(point: Point) -> dict:
 
 def runners_for(dev, blocks, wanted) -> List[Runner]:
     """The heuristic's cuflash, each forced tiling, naive attention, then PyTorch's SDPA backends (on a GPU)."""
-    every = [cuflash_runner(None)] + [cuflash_runner(b) for b in blocks] + [naive_runner(dev.array_module)]
+    every = [cuflash_runner(None)] + [cuflash_runner(b) for b in blocks]
+    every += [cuflash_runner(None, p) for p in ("tf32", "fma")] if dev.gpu else []
+    every += [naive_runner(dev.array_module)]
     every += [torch_runner(kind) for kind in TORCH_SDPA]
     default = ("cuflash", "naive", "torch") if dev.gpu else ("cuflash", "naive")
     wanted = wanted or default

@@ -61,10 +61,11 @@ FA2_POINTS = grid(HALF, (64, 128), (1024, 2048, 4096, 8192, 16384))
 PRESETS = {
     # The tensor-core issue's targets: forward, n = m from 1k to 16k, B*n = 16384, heads = 2048 / d.
     "fa2": Preset(tuple(FA2_POINTS), ((128, 64), (128, 128), (64, 64)), True, 3, 20, 8192),
-    # Everything: the fa2 points, other head dims, float32, and n != m both ways.
+    # Everything: the fa2 points, other head dims, float32 and float64 (each precision), and n != m both ways.
     "sweep": Preset(tuple(FA2_POINTS
                           + grid(HALF, (32, 256), (1024, 4096, 16384))
-                          + grid(("float32",), (64, 128), (1024, 4096))
+                          + grid(("float32",), (64, 128), (1024, 4096, 16384))
+                          + grid(("float64",), (64, 128), (1024, 4096), causals=(False,))
                           + grid(("float16",), (64, 128), (1024, 4096), m_per_n=4)
                           + grid(("float16",), (128,), (4096,), causals=(False,), m_per_n=0.25)
                           + decode("float16", 128, (4096, 16384, 65536))),
@@ -73,8 +74,10 @@ PRESETS = {
     "short": Preset(tuple(grid(HALF, (128,), (2048, 8192), causals=(False,))
                           + grid(("float16",), (128,), (8192,), causals=(True,))
                           + grid(("float16",), (64,), (4096,), causals=(False,))
-                          + grid(("float16",), (128,), (1024,), m_per_n=4)
-                          + decode("float16", 128, (32768,))),
+                          + grid(("float16",), (128,), (1024,), causals=(True,), m_per_n=4)
+                          + decode("float16", 128, (32768,))
+                          + grid(("float32",), (128,), (4096,), causals=(False,))
+                          + grid(("float64",), (64,), (2048,), causals=(False,))),
                     ((128, 64),), True, 2, 10, 8192, budget_s=1.0),
     # A CPU without a GPU: the NumPy backend against naive NumPy.
     "cpu": Preset(tuple(grid(("float32",), (64,), (256, 512, 1024), tokens=1024, hidden=256)

@@ -34,9 +34,9 @@ namespace cuflash {
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
 struct MmaShared {
     static constexpr int MT = Br / (16 * Warps);  // m16 tiles per warp
-    // Q_i's fragments stay in registers (MT * D * sizeof(T) / 8 of them) when they take at most 32; never for
-    // double, whose accumulators already take two registers each.
-    static constexpr bool kQInRegisters = sizeof(T) <= 4 && MT * D * sizeof(T) <= 256;
+    // Q_i's fragments of the 16-bit types stay in registers (MT * D / 4 of them) when they take at most 32;
+    // float's and double's are read from shared memory step by step (their products need the registers).
+    static constexpr bool kQInRegisters = sizeof(T) == 2 && MT * D <= 128;
     static constexpr int LDQ = mma::RowPadded<D, T>::ld, LDK = mma::RowPadded<D, T>::ld;
     static constexpr int LDV = mma::Padded<E, T>::ld, LDO = mma::Padded<E, T>::ld, LDP = mma::Padded<Bc, T>::ld;
     static constexpr size_t k_stage = sizeof(T) * Bc * LDK, v_stage = sizeof(T) * Bc * LDV;
@@ -180,7 +180,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int x = 0; x < 4; ++x) S[mt][nt][x] = Acc(0);
-#pragma unroll
+#pragma unroll(Math::kUnrollSteps)
         for (int kk = 0; kk < KD; ++kk) {
             typename Math::AFrag a[MT];
 #pragma unroll

@@ -237,6 +237,7 @@ template <typename T, int Passes> struct FwdMath {
     using KAddr = ptx::SharedAddr;
     using VAddr = ptx::SharedAddr;
     static constexpr int kStep = 16;
+    static constexpr int kUnrollSteps = 64;
     template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
         return ptx::shared_addr(Q_w + a_lane<LD>(lane));
     }
@@ -308,6 +309,7 @@ template <int Passes> struct FwdMath<float, Passes> {
     using KAddr = ptx::SharedAddr;
     using VAddr = SharedPtr<float>;
     static constexpr int kStep = 8;
+    static constexpr int kUnrollSteps = 1;
     template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
         return ptx::shared_addr(Q_w + a_lane<LD, 4>(lane));
     }
@@ -381,6 +383,7 @@ template <int Passes> struct FwdMath<double, Passes> {
     using KAddr = SharedPtr<double>;
     using VAddr = SharedPtr<double>;
     static constexpr int kStep = 4;
+    static constexpr int kUnrollSteps = 1;
     template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) { return {Q_w + lane / 4 * LD + lane % 4}; }
     template <int LD> __device__ static KAddr k_lane(const T* K_s, int lane) { return {K_s + lane / 4 * LD + lane % 4}; }
     template <int LD> __device__ static VAddr v_lane(const T* V_s, int lane) {
@@ -407,13 +410,14 @@ template <int Passes> struct FwdMath<double, Passes> {
 #pragma unroll
         for (int kk = 0; kk < NT; ++kk)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h) {
 #pragma unroll
                 for (int et = 0; et < ET; ++et) {
                     const double b = V_j.p[(8 * kk + h) * LD + 8 * et];
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) mma2(O[mt][et], P[mt][kk][h], P[mt][kk][2 + h], b);
                 }
+            }
     }
     __device__ static void store_pair(T* at, Acc x, Acc y) {
         at[0] = x;
