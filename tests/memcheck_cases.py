@@ -80,7 +80,7 @@ def case_mma_wide():
         v[0, 3, 1] = np.nan
         bias = randn(rng, (2, 1, 45), np.float32)
         out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt",
-                                     block=BlockConfig.mma(32, 16, 1), precision=precision, return_lse=True)
+                                     block=BlockConfig.mma(32, 16, 2), precision=precision, return_lse=True)
         assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4), precision=precision)
         q, k, v = (randn(rng, shape, dtype) for shape in ((3, 29, 64), (3, 70, 64), (3, 70, 64)))
         out = cuflash.attention(q, k, v, causal=True, backend="simt", block="mma", precision=precision)

@@ -499,12 +499,15 @@ def test_float16_on_the_tensor_core_kernel(cupy):
     assert name.startswith("cuflash::fwd_mma<__half") and shared_mem > 48 * 1024 and dev == 0
 
 
-@pytest.mark.parametrize("dtype", [F32, F64])
-def test_float32_float64_on_the_cuda_core_kernel(cupy, dtype):
+@pytest.mark.parametrize("dtype, precision, kernel", [(F32, "fma", "fwd<float,"), (F64, "fma", "fwd<double,"),
+                                                      (F32, None, "fwd_mma<float,"), (F32, "tf32", "fwd_mma<float,"),
+                                                      (F64, None, "fwd_mma<double,")])
+def test_float32_float64_on_either_kernel(cupy, dtype, precision, kernel):
+    """precision="fma": the CUDA-core kernel; otherwise the tensor cores (the emulated H100 has float64 ones)."""
     case = _case((dtype,) * 3, ((1, 2, 33, 59), (1, 2, 45, 59), (1, 2, 45, 24)),
                  views=("strided", "reversed", "offset"), out_kind="strided")
-    check_case(case, backend="cupy", to_device=cupy.asarray)
-    assert _State.launches[-1][0].startswith(f"cuflash::fwd<{'float' if dtype == F32 else 'double'},")
+    check_case(case, backend="cupy", to_device=cupy.asarray, precision=precision)
+    assert _State.launches[-1][0].startswith(f"cuflash::{kernel}")
 
 
 def test_head_dims_past_the_largest_tile(cupy):

@@ -111,16 +111,19 @@ def case_clean_ptx():
 
 
 def case_clean_attention():
-    """The project's forward kernels (fp32: the FMA kernel; fp16: the tensor-core one) on small problems with
-    ragged tiles, every block running under TSan."""
+    """The project's forward kernels (the FMA kernel: float32 with precision "fma"; the tensor-core one: float16,
+    float32 as 3xTF32 and in one TF32 pass, float64) on small problems with ragged tiles, every block running
+    under TSan."""
     import cuflash
     from reference import assert_accurate  # tests/ is on the path
     rng = np.random.default_rng(0)
-    for dtype in (np.float32, np.float16):
+    for dtype, precision in ((np.float32, "fma"), (np.float16, None), (np.float32, None), (np.float32, "tf32"),
+                             (np.float64, None)):
         q, k, v = (rng.standard_normal((1, 2, n, 64)).astype(dtype) for n in (40, 72, 72))
         for causal in (False, True):
-            o, lse = cuflash.attention(q, k, v, causal=causal, backend="simt", return_lse=True)
-            assert_accurate(o, q, k, v, lse=lse, causal=causal)
+            o, lse = cuflash.attention(q, k, v, causal=causal, backend="simt", precision=precision,
+                                       return_lse=True)
+            assert_accurate(o, q, k, v, lse=lse, causal=causal, precision=precision)
 
 
 def case_clean_backward():
