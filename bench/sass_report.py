@@ -546,6 +546,7 @@ RATES = {
     "H200": Rates(1.83, 4096 * 2 / 3, 277, 128, 64),
 }
 MMA_FLOPS = {"16816": 4096, "1688": 2048, "8816": 2048, "884": 512}  # per warp: 2 m n k of the shape
+# (sm_90's SASS names DMMA's shape DMMA.8, sm_80's DMMA.884: every DMMA is m8n8k4)
 FP32_PIPE, FP64_PIPE = {"FFMA", "FMUL", "FADD", "HFMA2", "HADD2", "HMUL2"}, {"DFMA", "DMUL", "DADD"}
 
 
@@ -574,7 +575,7 @@ def bound(path: Tally, plan, rates: Rates, sm_count: int) -> dict:
         base = op.split(".")[0]
         clocks["issue"] += n / rates.issue
         if cls == "tensor":
-            shape = next((p for p in op.split(".")[1:] if p in MMA_FLOPS), "16816")
+            shape = "884" if base == "DMMA" else next((p for p in op.split(".")[1:] if p in MMA_FLOPS), "16816")
             rate = rates.tensor_fp64 if base == "DMMA" else \
                 rates.tensor_16bit / 2 if "TF32" in op.split(".") else rates.tensor_16bit
             clocks["tensor"] += n * MMA_FLOPS[shape] / rate

@@ -30,13 +30,12 @@ ITEM = 2  # bytes per element of the 16-bit types (the backward's)
 # target, which compiles without spills at 200-250 registers; past the limit spills are likely.
 REGISTER_TARGET = 144
 REGISTER_LIMIT = 160
-# float32 and float64 take the rest of the registers for their products: 3xTF32 keeps each operand's raw, high
-# and low parts (and spills with any 32-key tile: it takes 16-key tiles, TF32_3X_BC), float64 two registers per
-# value. ptxas's counts for every candidate (sm_80 and sm_90) put their spill thresholds here, so 3xTF32 runs head
-# dims up to 64, one TF32 pass up to 128 and float64 up to 64; past them the CUDA-core kernel runs
-# (tests/test_cubin.py compiles every choice).
-REGISTER_BOUNDS = {("float32", "highest"): (40, 40), ("float32", "tf32"): (80, 80), ("float64", "highest"): (80, 80)}
-TF32_3X_BC = 16
+# float32 and float64 take the rest of the registers for their products: 3xTF32 holds each fragment's high and
+# low parts, float64 two registers per value. ptxas's counts for every candidate (sm_80 and sm_90) put their
+# spill thresholds here, so 3xTF32 runs head dims up to 128, one TF32 pass up to 256 and float64 up to 64; past
+# them the CUDA-core kernel runs (tests/test_cubin.py compiles every choice).
+REGISTER_BOUNDS = {("float32", "highest"): (96, 96), ("float32", "tf32"): (136, 136),
+                   ("float64", "highest"): (96, 96)}
 
 
 def register_bounds(shape: Shape) -> tuple:
@@ -69,7 +68,8 @@ def row_pads(shape: Shape) -> tuple:
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     """Stages K and V tiles, the Q tile (reused for O by the epilogue), and P's scratch rows (in the Q tile's
-    space when Q_i sits in registers); rows padded (row_pads). Mirrors MmaShared."""
+    space when Q_i sits in registers); rows padded (row_pads); for 3xTF32, a copy of the K, V and Q regions for
+    their low parts. Mirrors MmaShared."""
     D, E, item = bucket(shape.d), bucket(shape.e), shape.dtype.itemsize
     qk_pad, pad = row_pads(shape)
     k = item * config.Bc * (D + qk_pad)
@@ -77,7 +77,8 @@ def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     q = item * config.Br * max(D + qk_pad, E + pad)
     p = item * config.warps * ROWS_PER_TILE * (config.Bc + pad)
     rest = max(q, p) if q_in_registers(shape, config) else q + p
-    return config.stages * (k + v) + rest
+    lo = config.stages * (k + v) + q if (shape.dtype.name, shape.precision) == ("float32", "highest") else 0
+    return config.stages * (k + v) + rest + lo
 
 
 def accumulator_words(shape: Shape, config: BlockConfig) -> int:
@@ -143,9 +144,6 @@ def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
     if not (config.Bc % 16 == 0 and 16 <= config.Bc <= MAX_BC):
         reasons.append(f"Bc={config.Bc} is not supported by the tensor-core kernel: Bc must be a multiple of 16 "
                        f"between 16 and {MAX_BC}")
-    elif shape.dtype.name == "float32" and shape.precision == "highest" and config.Bc != TF32_3X_BC:
-        reasons.append(f"Bc={config.Bc} is not supported by the tensor-core kernel's 3xTF32 float32: its split "
-                       f"operands take the registers of {TF32_3X_BC}-key tiles (precision='tf32' takes larger ones)")
     return reasons
 
 
@@ -160,8 +158,8 @@ def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
 
 # Preference order: 128 query rows with 4 warps of two m16 tiles (each K and V fragment feeds four mma, not
 # two: 0.25 ldmatrix per mma) where the registers allow it, with 64 keys per tile (d <= 32) or 32 (d <= 64); else
-# 8 warps of one m16 tile; 16-key tiles where accumulators of float64 need the registers; smaller tiles for large
-# head dims on smaller shared memories.
+# 8 warps of one m16 tile; 16-key tiles where float32's and float64's products need the registers; smaller tiles
+# for large head dims on smaller shared memories.
 CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
     (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (64, 16, 4), (32, 32, 2), (16, 32, 1),
     (16, 16, 1)))

@@ -70,7 +70,8 @@ def chosen(arch):
     float64, and two with split keys (float partial results written from the fragments)."""
     device = GPUS[arch]
     pairs = [Workload(F16, d, d) for d in HEAD_DIMS] + [Workload(BF16, d, d) for d in (64, 128, 256)] + \
-        [Workload(F32, d, d) for d in (32, 64)] + [Workload(F32, d, d, precision="tf32") for d in (32, 64, 128)] + \
+        [Workload(F32, d, d) for d in (32, 64, 128)] + \
+        [Workload(F32, d, d, precision="tf32") for d in (32, 64, 128, 256)] + \
         [Workload(F64, d, d) for d in (32, 64)]
     return [(w, tiling.choose(w, device), False) for w in pairs] + \
         [(w, tiling.choose(w, device), True) for w in (Workload(F16, 64, 64), Workload(F16, 128, 128))]
@@ -165,7 +166,7 @@ def test_shared_memory_model_matches_the_kernel(arch):
             for config in tensorcore.CANDIDATES + (tiling.BlockConfig.mma(64, 64, 4, stages=3),):
                 w = Workload(dtype, d, e)
                 args = (f"{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(d)}, {tensorcore.bucket(e)}, "
-                        f"{config.warps}, {config.stages}")
+                        f"{config.warps}, {config.stages}" + (", true" if dtype == F32 else ""))  # 3xTF32's Lo
                 layouts[args] = tensorcore.shared_memory_bytes(w, config)
     nvrtc.check_shared_layout(tensorcore.FORWARD, layouts, arch)
 

@@ -40,6 +40,14 @@ def test_matches_reference(case, precision):
     check_case(case, backend="simt", block="mma", precision=precision)
 
 
+@given(cases(dtypes=(F32,), lengths=(1, 33, 97), head_dims=(70, 100, 128), mixed_dtypes=False, max_batch_dims=1,
+             magnitudes=(1.0, 12.0)), st.sampled_from((None, "tf32")))
+@settings(max_examples=8)
+def test_float32_head_dims_to_128(case, precision):
+    """float32's bucket of 128, on tensor cores in both precisions (float64 keeps CUDA cores there)."""
+    check_case(case, backend="simt", block="mma", precision=precision)
+
+
 @given(cases(dtypes=WIDE, lengths=(17, 64), key_lengths=(1030, 2100), head_dims=(32, 59),
              mixed_dtypes=False, max_batch_dims=1, magnitudes=(12.0, 1.0)),
        st.sampled_from(("highest", "tf32")))
@@ -49,8 +57,8 @@ def test_split_keys(case, precision):
     check_case(case, backend="simt", block="mma", precision=precision)
 
 
-@pytest.mark.parametrize("dtype, precision, d", [(F32, "highest", 32), (F32, "highest", 64), (F32, "tf32", 96),
-                                                 (F32, "tf32", 128), (F64, None, 32), (F64, None, 64)])
+@pytest.mark.parametrize("dtype, precision, d", [(F32, "highest", 32), (F32, "highest", 128), (F32, "tf32", 96),
+                                                 (F32, "tf32", 256), (F64, None, 32), (F64, None, 64)])
 def test_native_head_dims(dtype, precision, d):
     """Buckets of each type, with a window straddling tiles, a key tail and rows past n in the last tile."""
     rng = np.random.default_rng(d)
@@ -144,7 +152,7 @@ def test_grouped_query_attention_strided_views_and_bias():
 
 
 # The largest head dim each runs on tensor cores (tensorcore.REGISTER_BOUNDS): past it, registers would spill.
-TENSOR_CORE_HEAD_DIMS = {(F32, "highest"): 64, (F32, "tf32"): 128, (F64, "highest"): 64}
+TENSOR_CORE_HEAD_DIMS = {(F32, "highest"): 128, (F32, "tf32"): 256, (F64, "highest"): 64}
 
 
 @pytest.mark.parametrize("device", [H100, A100, A10, L4])
@@ -155,7 +163,7 @@ def test_float32_runs_on_tensor_cores_up_to_its_head_dims(device, d, precision):
     config = tiling.choose(shape, device)
     if d > TENSOR_CORE_HEAD_DIMS[(F32, precision)]:
         assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
-        reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(64, 16), device)
+        reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(16, 16, 1), device)
         assert any("accumulator registers" in r for r in reasons), reasons
         return
     assert config.variant == "mma" and not tiling.not_supported_reasons(shape, config, device)

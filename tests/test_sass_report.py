@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import sass_report
-from cuflash import DeviceLimits, tiling
+from cuflash import BlockConfig, DeviceLimits, tiling
 from cuflash.family import Shape
 from test_cubin import cuobjdump, nvrtc_unavailable
 
@@ -96,7 +96,7 @@ def test_path_weights_required_inner_loops_and_skips_cold_code_but_no_product():
 
 def test_trip_counts_follow_the_template_arguments():
     device = DeviceLimits.known("H100")
-    plan = tiling.plan(Shape(np.float32, 64, 64, 4096, 4096), device, (64, 64))
+    plan = tiling.plan(Shape(np.float32, 64, 64, 4096, 4096, precision="fma"), device, (64, 64))
     steps = sass_report.steps(plan)
     threads = 32 * plan.config.warps
     assert [s.name for s in steps] == ["K_j", "V_j", "S = Q K^T over d", "O += P V over Bc"]
@@ -105,6 +105,18 @@ def test_trip_counts_follow_the_template_arguments():
     assert steps[2].work == rows * (64 // 16) * 64  # FMAs per thread of S = Q K^T
     once = {("fma", "FFMA"): 2 * rows * (64 // 16)}  # a loop unrolled twice
     assert sass_report.per_iteration(steps[2], once) == (steps[2].work, 2 * rows * 4)
+
+
+def test_float32_and_float64_tensor_core_steps_count_their_products():
+    """Their Q K^T runs as a loop of steps: its tensor instructions per warp and tile, by precision."""
+    device = DeviceLimits.known("H100")
+    for dtype, precision, per_step in ((np.float32, "highest", 3), (np.float32, "tf32", 1), (np.float64, "highest", 2)):
+        plan = tiling.plan(Shape(dtype, 64, 64, 4096, 4096, precision=precision), device, BlockConfig.mma(64, 32))
+        steps = sass_report.steps(plan)
+        assert [s.name for s in steps] == ["K_j", "V_j", "S = Q K^T over d"] and steps[2].kind == "tensor"
+        step = 32 // np.dtype(dtype).itemsize  # a step covers 32 bytes of a Q and K row
+        assert steps[2].work == 1 * (32 // 8) * (64 // step) * per_step
+        assert sass_report.per_iteration(steps[2], {("tensor", "HMMA.1688.F32.TF32"): 4}) == (steps[2].work, 4)
 
 
 @pytest.fixture(scope="module")

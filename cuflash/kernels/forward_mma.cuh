@@ -31,7 +31,8 @@ namespace cuflash {
 
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Stages K and V tiles, then the Q tile, whose
 // space the epilogue reuses for O; P's scratch (the rare CUDA-core P V) shares it too when Q sits in registers.
-template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+// Lo (3xTF32): a copy of the K, V and Q regions after it all, lo_offset bytes on, for their operands' low parts.
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Lo = false>
 struct MmaShared {
     static constexpr int MT = Br / (16 * Warps);  // m16 tiles per warp
     // Q_i's fragments of the 16-bit types stay in registers (MT * D / 4 of them) when they take at most 32;
@@ -46,8 +47,10 @@ struct MmaShared {
     static constexpr size_t v_offset = k_offset + Stages * k_stage;
     static constexpr size_t q_offset = v_offset + Stages * v_stage;
     static constexpr size_t p_offset = kQInRegisters ? q_offset : q_offset + q_bytes;
-    static constexpr size_t bytes = kQInRegisters ? q_offset + (q_bytes > p_bytes ? q_bytes : p_bytes)
-                                                  : p_offset + p_bytes;
+    static constexpr size_t base_bytes = kQInRegisters ? q_offset + (q_bytes > p_bytes ? q_bytes : p_bytes)
+                                                       : p_offset + p_bytes;
+    static constexpr size_t lo_offset = Lo ? base_bytes : 0;
+    static constexpr size_t bytes = base_bytes + (Lo ? q_offset + q_bytes : 0);
 };
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Split = false, int Passes = 3>
@@ -58,8 +61,9 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         typename AccOf<T>::type* __restrict__ lse, const long long* __restrict__ geometry,
         long long n, long long m, long long d, long long e, typename AccOf<T>::type scale_log2,
         long long left, long long right, int flags) {
-    using Smem = MmaShared<T, Br, Bc, D, E, Warps, Stages>;
+    using Smem = MmaShared<T, Br, Bc, D, E, Warps, Stages, sizeof(T) == 4 && Passes == 3>;
     using Math = mma::FwdMath<T, Passes>;
+    constexpr int kLoBytes = (int)Smem::lo_offset;  // from an operand's element to its low part (3xTF32)
     using Acc = typename Math::Acc;
     constexpr int Threads = Warps * 32, MT = Smem::MT;
     constexpr int NT = Bc / 8, ET = E / 8, KD = D / Math::kStep;  // n8 tiles of S and of O; steps of Q K^T
@@ -128,6 +132,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
     ptx::cp_async_wait<Stages - 1>();
     __syncthreads();
+    if (Math::kPrepare) {  // float: Q_i split (or rounded) to TF32 once
+        Math::template prepare<Br, D, Smem::LDQ, Threads>(Q_s, kLoBytes);
+        __syncthreads();
+    }
     // This lane's ldmatrix addresses: Q_i's A fragments, and K_j's and V_j's B fragments in stage 0.
     const typename Math::QAddr Q_lane = Math::template q_lane<Smem::LDQ>(Q_s + warp_row * Smem::LDQ, lane);
     typename Math::KAddr K_j = Math::template k_lane<Smem::LDK>(K_s, lane);  // carried from stage to stage
@@ -139,7 +147,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
             for (int kk = 0; kk < KD; ++kk)
                 Math::template load_a<Smem::LDQ>(Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0], Q_lane, 16 * mt,
-                                                 Math::kStep * kk);
+                                                 Math::kStep * kk, kLoBytes);
     }
 
     // Running max m_i (log2 domain) and (per-lane partial) sum l_i of rows quad_row and quad_row + 8 of each m16
@@ -171,6 +179,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         ptx::cp_async_commit();  // possibly empty: keeps the group count the wait above relies on
 
         const int stage = tile % Stages;
+        if (Math::kPrepare) {  // float: K_j and V_j split (or rounded) to TF32 once, for every warp
+            Math::template prepare<Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK, kLoBytes);
+            Math::template prepare<Bc, E, Smem::LDV, Threads>(V_s + stage * Bc * Smem::LDV, kLoBytes);
+            __syncthreads();
+        }
 
         // S_ij = Q_i K_j^T.
         Acc S[MT][NT][4];
@@ -188,12 +201,12 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 if (kQRegs)
                     a[mt] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0];
                 else
-                    Math::template load_a<Smem::LDQ>(a[mt], Q_lane, 16 * mt, Math::kStep * kk);
+                    Math::template load_a<Smem::LDQ>(a[mt], Q_lane, 16 * mt, Math::kStep * kk, kLoBytes);
             }
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 typename Math::BFrag bk;
-                Math::template load_b<Smem::LDK>(bk, K_j, 16 * np, Math::kStep * kk);
+                Math::template load_b<Smem::LDK>(bk, K_j, 16 * np, Math::kStep * kk, kLoBytes);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     Math::mma(S[mt][2 * np], a[mt], bk, 0);
@@ -276,10 +289,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(
                                             V_s + stage * Bc * Smem::LDV, cols));
         if (!careful) {
-            Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j);  // O_i += P_ij V_j, P in registers
+            Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j, kLoBytes);  // O_i += P_ij V_j, P in registers
         } else {
             mma::pv_by_selection<T, Bc, E, MT, Smem::LDV>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
-                                               V_s + stage * Bc * Smem::LDV, cols, lane);
+                                                          V_s + stage * Bc * Smem::LDV, kLoBytes, cols, lane);
         }
         K_j = mma::next_stage<Stages, (int)Smem::k_stage>(K_j, stage);
         V_j = mma::next_stage<Stages, (int)Smem::v_stage>(V_j, stage);

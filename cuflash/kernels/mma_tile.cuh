@@ -214,14 +214,6 @@ __device__ __forceinline__ void load_b_kn(unsigned (&b)[4], const T* tile, int k
 
 struct Frag4 { unsigned r[4]; };  // four 32-bit registers, as ldmatrix.x4 fills them
 
-// A shared-memory pointer carried as SharedAddr is (its + adds bytes), for the types read by plain loads.
-template <typename T> struct SharedPtr {
-    const T* p;
-    __device__ __forceinline__ SharedPtr operator+(int bytes) const {
-        return {reinterpret_cast<const T*>(reinterpret_cast<const unsigned char*>(p) + bytes)};
-    }
-};
-
 __device__ __forceinline__ float exp2_fast(float x) { return ptx::ex2_approx_ftz(x); }
 __device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
 __device__ __forceinline__ float fma_(float a, float b, float c) { return fmaf(a, b, c); }
@@ -238,6 +230,8 @@ template <typename T, int Passes> struct FwdMath {
     using VAddr = ptx::SharedAddr;
     static constexpr int kStep = 16;
     static constexpr int kUnrollSteps = 64;
+    static constexpr bool kPrepare = false;  // operands used as loaded
+    template <int Rows, int Cols, int LD, int Threads> __device__ static void prepare(T*, int) {}
     template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
         return ptx::shared_addr(Q_w + a_lane<LD>(lane));
     }
@@ -247,10 +241,10 @@ template <typename T, int Passes> struct FwdMath {
     template <int LD> __device__ static VAddr v_lane(const T* V_s, int lane) {
         return ptx::shared_addr(V_s + b_kn_lane<LD>(lane));
     }
-    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0) {
+    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0, int) {
         ptx::ldmatrix_x4(a.r, at + (row0 * LD + col0) * (int)sizeof(T));
     }
-    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0) {
+    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0, int) {
         ptx::ldmatrix_x4(b.r, at + (n0 * LD + k0) * (int)sizeof(T));
     }
     // c += a b for n8 tile `n` (0 or 1) of b.
@@ -259,7 +253,7 @@ template <typename T, int Passes> struct FwdMath {
         mma16816(c, a.r, bn, T{});
     }
     template <int LD, int MT, int NT, int ET>
-    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j) {
+    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j, int) {
 #pragma unroll
         for (int kk = 0; kk < NT / 2; ++kk) {
             AFrag a[MT];
@@ -288,28 +282,34 @@ template <typename T, int Passes> struct FwdMath {
 // float: mma.m16n8k8 on TF32 operands. Passes 3 (exact): each operand x is split into x_hi = tf32(x) and
 // x_lo = tf32(x - x_hi), and a b = a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first; a_lo b_lo, below
 // 2^-22 of a b, is dropped), accumulated in float. Passes 1: one product of the operands rounded to TF32.
-// Q and K fragments come through ldmatrix (a float row of an 8x8 b16 matrix is 4 floats: lane L gets row L / 4,
-// float L % 4, the tf32 layout). P V takes P straight from S's accumulators: S holds columns 2t, 2t + 1 where
-// the A operand wants t, t + 4, so the k index t of an 8-key step stands for key 2t and t + 4 for key 2t + 1,
-// and each lane reads V_j's rows 2t and 2t + 1 in that order (plain loads: ldmatrix.trans moves 16-bit elements).
-__device__ __forceinline__ void split_tf32(unsigned x, unsigned& hi, unsigned& lo) {
-    const float v = __uint_as_float(x);
+// Q, K and V are split (or rounded) once per tile in shared memory by prepare (each warp would otherwise split
+// every fragment it loads): x_hi in place, x_lo kLoBytes further on, where the kernel keeps a copy of each of
+// their regions (MmaShared). Q and K fragments come through ldmatrix (a float row of an 8x8 b16 matrix is 4
+// floats: lane L gets row L / 4, float L % 4, the tf32 layout). P V takes P straight from S's accumulators,
+// split in registers: S holds columns 2t, 2t + 1 where the A operand wants t, t + 4, so the k index t of an 8-key
+// step stands for key 2t and t + 4 for key 2t + 1, and each lane reads V_j's rows 2t and 2t + 1 in that order
+// (plain loads: ldmatrix.trans moves 16-bit elements).
+__device__ __forceinline__ void split_tf32(float v, unsigned& hi, unsigned& lo) {
     hi = ptx::cvt_rna_tf32(v);
     const float h = __uint_as_float(hi);
     lo = h - h == 0.0f ? ptx::cvt_rna_tf32(v - h) : 0u;  // an inf or NaN stays in hi alone
 }
 
+template <int Passes> struct TF32Frag { unsigned hi[4], lo[4]; };  // 3xTF32: both parts
+template <> struct TF32Frag<1> { unsigned hi[4]; };
+
 template <int Passes> struct FwdMath<float, Passes> {
     static_assert(Passes == 1 || Passes == 3, "float runs one TF32 pass or three (3xTF32)");
     using T = float;
     using Acc = float;
-    using AFrag = Frag4;  // raw float bits; rounded to TF32 at the product
-    using BFrag = Frag4;
+    using AFrag = TF32Frag<Passes>;
+    using BFrag = TF32Frag<Passes>;
     using QAddr = ptx::SharedAddr;
     using KAddr = ptx::SharedAddr;
-    using VAddr = SharedPtr<float>;
+    using VAddr = ptx::SharedAddr;
     static constexpr int kStep = 8;
     static constexpr int kUnrollSteps = 1;
+    static constexpr bool kPrepare = true;  // operands split in shared memory, once per tile
     template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
         return ptx::shared_addr(Q_w + a_lane<LD, 4>(lane));
     }
@@ -317,54 +317,70 @@ template <int Passes> struct FwdMath<float, Passes> {
         return ptx::shared_addr(K_s + b_nk_lane<LD, 4>(lane));
     }
     template <int LD> __device__ static VAddr v_lane(const T* V_s, int lane) {
-        return {V_s + 2 * (lane % 4) * LD + lane / 4};
+        return ptx::shared_addr(V_s + 2 * (lane % 4) * LD + lane / 4);
     }
-    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0) {
-        ptx::ldmatrix_x4(a.r, at + (row0 * LD + col0) * (int)sizeof(T));
-    }
-    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0) {
-        ptx::ldmatrix_x4(b.r, at + (n0 * LD + k0) * (int)sizeof(T));
-    }
-    // c += a b, b's registers (b0, b1) given.
-    __device__ static void mma2(Acc (&c)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-        if constexpr (Passes == 1) {
-            const unsigned at[4] = {ptx::cvt_rna_tf32(__uint_as_float(a[0])), ptx::cvt_rna_tf32(__uint_as_float(a[1])),
-                                    ptx::cvt_rna_tf32(__uint_as_float(a[2])), ptx::cvt_rna_tf32(__uint_as_float(a[3]))};
-            const unsigned bt[2] = {ptx::cvt_rna_tf32(__uint_as_float(b[0])), ptx::cvt_rna_tf32(__uint_as_float(b[1]))};
-            ptx::mma_m16n8k8_tf32(c, at, bt, c);
-        } else {
-            unsigned a_hi[4], a_lo[4], b_hi[2], b_lo[2];
-#pragma unroll
-            for (int x = 0; x < 4; ++x) split_tf32(a[x], a_hi[x], a_lo[x]);
-#pragma unroll
-            for (int x = 0; x < 2; ++x) split_tf32(b[x], b_hi[x], b_lo[x]);
-            ptx::mma_m16n8k8_tf32(c, a_lo, b_hi, c);
-            ptx::mma_m16n8k8_tf32(c, a_hi, b_lo, c);
-            ptx::mma_m16n8k8_tf32(c, a_hi, b_hi, c);
+    // Rows x Cols of a tile (pitch LD) into TF32 in place, and (Passes 3) the low parts lo_bytes further on.
+    template <int Rows, int Cols, int LD, int Threads>
+    __device__ static void prepare(T* tile, int lo_bytes) {
+        for (int idx = threadIdx.x; idx < Rows * (Cols / 4); idx += Threads) {
+            float* at = tile + idx / (Cols / 4) * LD + idx % (Cols / 4) * 4;
+            const uint4 raw = *reinterpret_cast<const uint4*>(at);  // 16-byte accesses, as uint4 copies
+            const float* x = reinterpret_cast<const float*>(&raw);
+            uint4 hi, lo;
+            split_tf32(x[0], hi.x, lo.x);
+            split_tf32(x[1], hi.y, lo.y);
+            split_tf32(x[2], hi.z, lo.z);
+            split_tf32(x[3], hi.w, lo.w);
+            *reinterpret_cast<uint4*>(at) = hi;
+            if (Passes == 3) *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(at) + lo_bytes) = lo;
         }
     }
+    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0, int lo_bytes) {
+        ptx::ldmatrix_x4(a.hi, at + (row0 * LD + col0) * (int)sizeof(T));
+        if constexpr (Passes == 3) ptx::ldmatrix_x4(a.lo, at + (row0 * LD + col0) * (int)sizeof(T) + lo_bytes);
+    }
+    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0, int lo_bytes) {
+        ptx::ldmatrix_x4(b.hi, at + (n0 * LD + k0) * (int)sizeof(T));
+        if constexpr (Passes == 3) ptx::ldmatrix_x4(b.lo, at + (n0 * LD + k0) * (int)sizeof(T) + lo_bytes);
+    }
+    // c += a b for n8 tile `n` (0 or 1) of b.
     __device__ static void mma(Acc (&c)[4], const AFrag& a, const BFrag& b, int n) {
-        const unsigned bn[2] = {b.r[2 * n], b.r[2 * n + 1]};
-        mma2(c, a.r, bn);
+        const unsigned b_hi[2] = {b.hi[2 * n], b.hi[2 * n + 1]};
+        if constexpr (Passes == 3) {
+            const unsigned b_lo[2] = {b.lo[2 * n], b.lo[2 * n + 1]};
+            ptx::mma_m16n8k8_tf32(c, a.lo, b_hi, c);
+            ptx::mma_m16n8k8_tf32(c, a.hi, b_lo, c);
+        }
+        ptx::mma_m16n8k8_tf32(c, a.hi, b_hi, c);
     }
     template <int LD, int MT, int NT, int ET>
-    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j) {
+    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j, int lo_bytes) {
 #pragma unroll
         for (int kk = 0; kk < NT; ++kk) {
-            unsigned a[MT][4];
+            AFrag a[MT];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {  // (g, t) <- key 2t, (g + 8, t), (g, t + 4) <- key 2t + 1, (g + 8, t + 4)
-                a[mt][0] = __float_as_uint(P[mt][kk][0]);
-                a[mt][1] = __float_as_uint(P[mt][kk][2]);
-                a[mt][2] = __float_as_uint(P[mt][kk][1]);
-                a[mt][3] = __float_as_uint(P[mt][kk][3]);
+                const float p[4] = {P[mt][kk][0], P[mt][kk][2], P[mt][kk][1], P[mt][kk][3]};
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    if constexpr (Passes == 3)
+                        split_tf32(p[x], a[mt].hi[x], a[mt].lo[x]);
+                    else
+                        a[mt].hi[x] = ptx::cvt_rna_tf32(p[x]);
+                }
             }
 #pragma unroll
             for (int et = 0; et < ET; ++et) {
-                const unsigned b[2] = {__float_as_uint(V_j.p[8 * kk * LD + 8 * et]),
-                                       __float_as_uint(V_j.p[(8 * kk + 1) * LD + 8 * et])};
+                const ptx::SharedAddr row0 = V_j + (8 * kk * LD + 8 * et) * (int)sizeof(T), row1 = row0 + LD * 4;
+                BFrag b;
+                b.hi[0] = ptx::ld_shared_b32(row0);
+                b.hi[1] = ptx::ld_shared_b32(row1);
+                if constexpr (Passes == 3) {
+                    b.lo[0] = ptx::ld_shared_b32(row0 + lo_bytes);
+                    b.lo[1] = ptx::ld_shared_b32(row1 + lo_bytes);
+                }
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) mma2(O[mt][et], a[mt], b);
+                for (int mt = 0; mt < MT; ++mt) mma(O[mt][et], a[mt], b, 0);
             }
         }
     }
@@ -379,23 +395,29 @@ template <int Passes> struct FwdMath<double, Passes> {
     using Acc = double;
     struct AFrag { double x[2]; };  // rows g and g + 8, column t
     struct BFrag { double x[2]; };  // n8 tiles 0 and 1: row g of each (a key), column t
-    using QAddr = SharedPtr<double>;
-    using KAddr = SharedPtr<double>;
-    using VAddr = SharedPtr<double>;
+    using QAddr = ptx::SharedAddr;
+    using KAddr = ptx::SharedAddr;
+    using VAddr = ptx::SharedAddr;
     static constexpr int kStep = 4;
     static constexpr int kUnrollSteps = 1;
-    template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) { return {Q_w + lane / 4 * LD + lane % 4}; }
-    template <int LD> __device__ static KAddr k_lane(const T* K_s, int lane) { return {K_s + lane / 4 * LD + lane % 4}; }
+    static constexpr bool kPrepare = false;
+    template <int Rows, int Cols, int LD, int Threads> __device__ static void prepare(T*, int) {}
+    template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
+        return ptx::shared_addr(Q_w + lane / 4 * LD + lane % 4);
+    }
+    template <int LD> __device__ static KAddr k_lane(const T* K_s, int lane) {
+        return ptx::shared_addr(K_s + lane / 4 * LD + lane % 4);
+    }
     template <int LD> __device__ static VAddr v_lane(const T* V_s, int lane) {
-        return {V_s + 2 * (lane % 4) * LD + lane / 4};
+        return ptx::shared_addr(V_s + 2 * (lane % 4) * LD + lane / 4);
     }
-    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0) {
-        a.x[0] = at.p[row0 * LD + col0];
-        a.x[1] = at.p[(row0 + 8) * LD + col0];
+    template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0, int) {
+        a.x[0] = ptx::ld_shared_f64(at + (row0 * LD + col0) * 8);
+        a.x[1] = ptx::ld_shared_f64(at + ((row0 + 8) * LD + col0) * 8);
     }
-    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0) {
-        b.x[0] = at.p[n0 * LD + k0];
-        b.x[1] = at.p[(n0 + 8) * LD + k0];
+    template <int LD> __device__ static void load_b(BFrag& b, KAddr at, int n0, int k0, int) {
+        b.x[0] = ptx::ld_shared_f64(at + (n0 * LD + k0) * 8);
+        b.x[1] = ptx::ld_shared_f64(at + ((n0 + 8) * LD + k0) * 8);
     }
     // c += (rows g, g + 8 of A: a_top, a_bottom) b.
     __device__ static void mma2(Acc (&c)[4], double a_top, double a_bottom, double b) {
@@ -406,22 +428,22 @@ template <int Passes> struct FwdMath<double, Passes> {
     }
     __device__ static void mma(Acc (&c)[4], const AFrag& a, const BFrag& b, int n) { mma2(c, a.x[0], a.x[1], b.x[n]); }
     template <int LD, int MT, int NT, int ET>
-    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j) {
+    __device__ static void pv(Acc (&O)[MT][ET][4], const Acc (&P)[MT][NT][4], VAddr V_j, int) {
 #pragma unroll
         for (int kk = 0; kk < NT; ++kk)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
 #pragma unroll
                 for (int et = 0; et < ET; ++et) {
-                    const double b = V_j.p[(8 * kk + h) * LD + 8 * et];
+                    const double b = ptx::ld_shared_f64(V_j + ((8 * kk + h) * LD + 8 * et) * 8);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) mma2(O[mt][et], P[mt][kk][h], P[mt][kk][2 + h], b);
                 }
             }
     }
     __device__ static void store_pair(T* at, Acc x, Acc y) {
-        at[0] = x;
-        at[1] = y;
+        const double2 pair = make_double2(x, y);
+        *reinterpret_cast<uint4*>(at) = *reinterpret_cast<const uint4*>(&pair);
     }
 };
 
@@ -455,11 +477,12 @@ __device__ __forceinline__ bool tile_nonfinite(const T* tile, int rows) {
 
 // O_i += P_ij V_j on CUDA cores with hidden keys skipped by selection (forward.cuh's rule), for one warp's
 // m16 tiles: P goes through the warp's scratch rows P_w in T (as the tensor-core path rounds it), hidden as -1.
-// V_j's rows are LDV elements apart.
+// V_j's rows are LDV elements apart; lo_bytes > 0: V's low parts lie that far on (3xTF32), added to it.
 template <typename T, int Bc, int E, int MT, int LDV, typename Acc>
 __device__ __forceinline__ void pv_by_selection(Acc (&O_i)[MT][E / 8][4], const Acc (&P)[MT][Bc / 8][4],
-                                                const unsigned (&hidden)[MT][2], T* P_w, const T* V_j, int cols,
-                                                int lane) {
+                                                const unsigned (&hidden)[MT][2], T* P_w, const T* V_j,
+                                                int lo_bytes, int cols, int lane) {
+    const T* V_lo = reinterpret_cast<const T*>(reinterpret_cast<const unsigned char*>(V_j) + lo_bytes);
     constexpr int LDP = Padded<Bc, T>::ld;
     const int quad_row = lane / 4, quad_col = lane % 4;
 #pragma unroll
@@ -481,8 +504,11 @@ __device__ __forceinline__ void pv_by_selection(Acc (&O_i)[MT][E / 8][4], const 
 #pragma unroll
                 for (int et = 0; et < E / 8; ++et)
 #pragma unroll
-                    for (int x = 0; x < 2; ++x)
-                        O_i[mt][et][2 * h + x] += p * to_acc(V_j[j * LDV + 8 * et + 2 * quad_col + x]);
+                    for (int x = 0; x < 2; ++x) {
+                        const int at = j * LDV + 8 * et + 2 * quad_col + x;
+                        const Acc v = lo_bytes ? to_acc(V_j[at]) + to_acc(V_lo[at]) : to_acc(V_j[at]);
+                        O_i[mt][et][2 * h + x] += p * v;
+                    }
             }
         }
         __syncwarp();  // the next m16 tile reuses P_w

@@ -205,6 +205,33 @@ __device__ __forceinline__ SharedAddr shared_addr(const void* p) {
 #endif
 }
 
+// ---- ld.shared.b32 / ld.shared.b64: a 4- or 8-byte load from a shared-memory address ----------------------------
+// For fragments read by plain loads (float's V, double's operands) from addresses carried as SharedAddr: the
+// compiler then cannot lose the shared state space and fall back to generic loads. volatile keeps them in order
+// with the barriers and cp.async waits (volatile asm) without fencing other memory accesses.
+__device__ __forceinline__ unsigned ld_shared_b32(SharedAddr at) {
+#if defined(__CUDA_ARCH__)
+  unsigned v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(at.a));
+  return v;
+#else
+  unsigned v;
+  std::memcpy(&v, at.a, 4);
+  return v;
+#endif
+}
+__device__ __forceinline__ double ld_shared_f64(SharedAddr at) {
+#if defined(__CUDA_ARCH__)
+  double v;
+  asm volatile("ld.shared.f64 %0, [%1];\n" : "=d"(v) : "r"(at.a));
+  return v;
+#else
+  double v;
+  std::memcpy(&v, at.a, 8);
+  return v;
+#endif
+}
+
 // ---- ex2.approx.ftz.f32: 2^x on the MUFU unit, subnormal inputs and results flushed to sign-preserving zero ---
 // (CuPy compiles with -ftz=true, where exp2f is this instruction too; the wrapper makes it independent of flags.)
 __device__ __forceinline__ float ex2_approx_ftz(float x) {
