@@ -231,7 +231,7 @@ MUTANTS = (
       [("ptx::mma_m16n8k8_tf32(c, a.lo, b_hi, c);", "")], [MMA_WIDE],
       "3xTF32 without its a_lo b_hi pass: float32 no longer exact to its rule"),
     m("mma-f32-lo-not-stored", "cuflash/kernels/mma_tile.cuh",
-      [("            if (Passes == 3)\n", "            if (Passes == 4)\n")], [MMA_WIDE],
+      [("if (Passes == 3) *reinterpret_cast<uint4*>", "if (Passes == 4) *reinterpret_cast<uint4*>")], [MMA_WIDE],
       "3xTF32's low parts never written to shared memory: the products read whatever is there"),
     m("mma-f32-pv-key-order", "cuflash/kernels/mma_tile.cuh",
       [("const float p[4] = {P[mt][kk][0], P[mt][kk][2], P[mt][kk][1], P[mt][kk][3]};",
