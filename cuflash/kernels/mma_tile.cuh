@@ -229,7 +229,7 @@ template <typename T, int Passes> struct FwdMath {
     using KAddr = ptx::SharedAddr;
     using VAddr = ptx::SharedAddr;
     static constexpr int kStep = 16;
-    static constexpr int kUnrollSteps = 64;
+    static constexpr int kUnrollSteps = 64;  // Q K^T's steps unrolled whole: Q_i's fragments index them
     static constexpr bool kPrepare = false;  // operands used as loaded
     template <int Rows, int Cols, int LD, int Threads> __device__ static void prepare(T*, int) {}
     template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
@@ -308,7 +308,7 @@ template <int Passes> struct FwdMath<float, Passes> {
     using KAddr = ptx::SharedAddr;
     using VAddr = ptx::SharedAddr;
     static constexpr int kStep = 8;
-    static constexpr int kUnrollSteps = 1;
+    static constexpr int kUnrollSteps = 1;  // a step at a time: ptxas would otherwise load every step's fragments
     static constexpr bool kPrepare = true;  // operands split in shared memory, once per tile
     template <int LD> __device__ static QAddr q_lane(const T* Q_w, int lane) {
         return ptx::shared_addr(Q_w + a_lane<LD, 4>(lane));
