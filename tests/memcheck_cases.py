@@ -82,6 +82,8 @@ def case_mma_wide():
         out, lse = cuflash.attention(q, k, v, mask=mask, bias=bias, window=(9, 4), backend="simt",
                                      block=BlockConfig.mma(32, 16, 2), precision=precision, return_lse=True)
         assert_accurate(out, q, k, v, lse=lse, mask=mask, bias=bias, window=(9, 4), precision=precision)
+        if precision == "tf32":  # the same code as 3xTF32 but for its low parts: one problem is enough
+            continue
         q, k, v = (randn(rng, shape, dtype) for shape in ((3, 29, 64), (3, 70, 64), (3, 70, 64)))
         out = cuflash.attention(q, k, v, causal=True, backend="simt", block="mma", precision=precision)
         assert_accurate(out, q, k, v, causal=True, precision=precision)
