@@ -17,7 +17,7 @@ from numpy.typing import ArrayLike
 
 from . import backends
 from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
-from .family import check_precision as _check_precision
+from .family import check_precision
 from .problem import SIGNATURE, Problem, Window, default_scale
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), prec
         window=visibility_window(window, causal),
         xp=xp,
         bias_hides=bias_may_hide(bias, xp),
-        precision=check_precision(precision, dtype),
+        precision=check_precision(precision, dtype, NAME),
     )
     return problem, (q, k, v, mask, bias)
 
@@ -361,12 +361,6 @@ def check_scale(scale, d):
         shown = scale if len(str(scale)) < 40 else f"a number of {len(str(scale))} digits"
         raise ValueError(f"{NAME}: scale must be a finite real number, got {shown}")
     return value
-
-
-def check_precision(precision, dtype, name=NAME):
-    """precision= as the Problem carries it: None -> "highest", and "tf32" -> "highest" for any dtype but
-    float32; anything but None, "highest", "tf32" or "fma" is an error (family.check_precision, the one rule)."""
-    return _check_precision(precision, dtype, name)
 
 
 def check_flag(value, name):
