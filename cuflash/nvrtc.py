@@ -48,7 +48,8 @@ def include_dirs() -> Tuple[str, ...]:
 
 
 def options(arch: Optional[str] = None) -> List[str]:
-    opts = [STD] + [f"-I{path}" for path in include_dirs()]
+    # Unannotated functions (the forward's generic lambda) are device code, as in CuPy's RawModule compiles.
+    opts = [STD, "--device-as-default-execution-space"] + [f"-I{path}" for path in include_dirs()]
     if arch:
         opts.append(f"-arch={arch}")
     return opts

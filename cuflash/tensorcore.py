@@ -53,9 +53,10 @@ def tiles_per_warp(config: BlockConfig) -> int:
 
 
 def q_in_registers(shape: Shape, config: BlockConfig) -> bool:
-    """Q_i's A fragments of the 16-bit types stay in registers for the whole sweep when they take at most 32 of
-    them (float32's and float64's are read step by step: their products need the registers)."""
-    return shape.dtype.itemsize == 2 and tiles_per_warp(config) * bucket(shape.d) <= 128
+    """Q_i's A fragments of the 16-bit types stay in registers for the whole sweep when they and S's take at most
+    48 of them, MT (D + Bc) / 4 (float32's and float64's are read step by step: their products need the
+    registers). Mirrors MmaShared::kQInRegisters."""
+    return shape.dtype.itemsize == 2 and tiles_per_warp(config) * (bucket(shape.d) + config.Bc) <= 192
 
 
 def row_pads(shape: Shape) -> tuple:
@@ -157,7 +158,7 @@ def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
 
 
 # Preference order: 128 query rows with 4 warps of two m16 tiles (each K and V fragment feeds four mma, not
-# two: 0.25 ldmatrix per mma) where the registers allow it, with 64 keys per tile (d <= 32) or 32 (d <= 64); else
+# two) where the registers allow it, with 64 keys per tile (d <= 64) or 32 (float32, float64); else
 # 8 warps of one m16 tile; 16-key tiles where float32's and float64's products need the registers; smaller tiles
 # for large head dims on smaller shared memories.
 CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
@@ -166,9 +167,13 @@ CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
 
 
 def candidates(shape: Shape) -> List[tuple]:
-    """CANDIDATES, two m16 tiles per warp only where Q_i's fragments stay in registers: read from shared memory
-    for every key tile, they would cost the ldmatrix the second tile saves."""
-    return [tuple(c for c in CANDIDATES if tiles_per_warp(c) == 1 or q_in_registers(shape, c))]
+    """CANDIDATES, two m16 tiles per warp only where Q_i's fragments stay in registers, or, for the 16-bit types,
+    where a key tile of 64 or more pays for reading them from shared memory every tile: each Q fragment then feeds
+    eight mma, each K and V fragment four (0.31 ldmatrix per mma, against 0.5 with one m16 tile per warp); with
+    32 keys re-reading Q_i would cost the ldmatrix the second tile saves."""
+    def takes(c):
+        return tiles_per_warp(c) == 1 or q_in_registers(shape, c) or (shape.dtype.itemsize == 2 and c.Bc >= 64)
+    return [tuple(c for c in CANDIDATES if takes(c))]
 
 FORWARD = Family(
     variant="mma", title="tensor-core", template="cuflash::fwd_mma", source="forward_mma.cuh",

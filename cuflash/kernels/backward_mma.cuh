@@ -187,8 +187,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
     // last tile, strided views) through the general copy.
     using QLoader = mma::ChunkLoader<T, Br, D, Threads, 1>;
     using OLoader = mma::ChunkLoader<T, Br, E, Threads, 1>;
-    const bool chunk_loads = QLoader::kFits && OLoader::kFits && (flags & kVectorQ) && (flags & kVectorDout) &&
-                             d % mma::kChunk == 0 && e % mma::kChunk == 0;
+    const bool chunk_loads = QLoader::usable(ops.q.row) && OLoader::usable(gdo.row) && (flags & kVectorQ) &&
+                             (flags & kVectorDout) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
     QLoader Q_load(q + ops.base.of[kQ] + queries.begin * ops.q.row, ops.q.row, (int)d, Q_s);
     OLoader dO_load(dout + ops.base.of[kDout] + queries.begin * gdo.row, gdo.row, (int)e, dO_s);
     if (chunk_loads) {
@@ -307,8 +307,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     // last tile, strided views) through the general copy.
     using KLoader = mma::ChunkLoader<T, Bc, D, Threads, 1>;
     using VLoader = mma::ChunkLoader<T, Bc, E, Threads, 1>;
-    const bool chunk_loads = KLoader::kFits && VLoader::kFits && (flags & kVectorK) && (flags & kVectorV) &&
-                             d % mma::kChunk == 0 && e % mma::kChunk == 0;
+    const bool chunk_loads = KLoader::usable(ops.k.row) && VLoader::usable(ops.v.row) && (flags & kVectorK) &&
+                             (flags & kVectorV) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
     KLoader K_load(k + ops.base.of[kK] + ops.keys.begin * ops.k.row, ops.k.row, (int)d, K_s);
     VLoader V_load(v + ops.base.of[kV] + ops.keys.begin * ops.v.row, ops.v.row, (int)e, V_s);
     if (chunk_loads) {

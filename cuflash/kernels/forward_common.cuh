@@ -67,21 +67,28 @@ __device__ __forceinline__ BlockOperands block_operands(const Geometry& g, long 
 // so a NaN or inf in a hidden value row never reaches the output through 0 * inf.
 template <typename A> __device__ __forceinline__ A hidden_p() { return A(-1); }
 
-// Scale, bias and visibility of one score S (q_i . k_j) in the log2 domain, shared by both kernels. A hidden
-// key's score becomes -inf by selection, and visible says so: the window and the mask decide where partial
-// (a tile that straddles the window, carries a mask or a hiding bias, or ends early), and a bias of -inf hides
-// its key as the mask does (where ops.bias_hides), so a NaN in that key never counts.
+// Row i's visible keys in a tile of keys [j0, j0 + cols), as the tile's columns [lo, hi): the window's reach
+// (offset = m - n aligns the diagonal bottom-right), the tile's end, and none for a row past n (computed, never
+// stored). Worked out once per row, so each element's window test is two 32-bit compares.
+struct RowSpan { int lo, hi; };
+__device__ __forceinline__ RowSpan row_span(const BlockOperands& ops, long long i, long long j0, int cols,
+                                            long long n, long long left, long long right) {
+    if (i >= n) return {0, 0};
+    const long long lo = i + ops.offset - left - j0, hi = i + ops.offset + right + 1 - j0;
+    return {(int)min_ll(max_ll(lo, 0), cols), (int)max_ll(min_ll(hi, cols), 0)};
+}
+
+// Scale, bias and visibility of one score S (q_i . k_j, column jj of its tile) in the log2 domain, shared by
+// both kernels. A hidden key's score becomes -inf by selection, and visible says so: the row's span and the mask
+// decide, and a bias of -inf hides its key as the mask does (where ops.bias_hides), so a NaN in that key never
+// counts.
 template <typename A>
 __device__ __forceinline__ A visible_score(A S, A scale_log2, const BlockOperands& ops, const A* bias,
-                                           const bool* mask, long long i, long long j, int jj, int cols,
-                                           long long n, long long left, long long right, bool partial,
+                                           const bool* mask, long long i, long long j, int jj, RowSpan span,
                                            bool& visible) {
     constexpr A kLog2e = A(1.4426950408889634);
-    visible = i < n;  // rows past n (the last tile's tail) are computed but never stored
-    if (partial) {
-        visible = visible && jj < cols && j >= i + ops.offset - left && j <= i + ops.offset + right;
-        if (visible && ops.has_mask) visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
-    }
+    visible = jj >= span.lo && jj < span.hi;
+    if (visible && ops.has_mask) visible = mask[ops.base.of[kMask] + i * ops.mask.row + j * ops.mask.col];
     A s = S * scale_log2;
     if (visible && ops.has_bias) {
         const A b = bias[ops.base.of[kBias] + i * ops.bias.row + j * ops.bias.col];
@@ -89,6 +96,17 @@ __device__ __forceinline__ A visible_score(A S, A scale_log2, const BlockOperand
         s += b * kLog2e;
     }
     return visible ? s : -infinity<A>();
+}
+
+// The same for one element of a tile (cols keys from j - jj on): partial says whether the window, the mask or the
+// tile's end may hide any key of it (tile_is_partial); a tile that is not needs only the row's i < n.
+template <typename A>
+__device__ __forceinline__ A visible_score(A S, A scale_log2, const BlockOperands& ops, const A* bias,
+                                           const bool* mask, long long i, long long j, int jj, int cols,
+                                           long long n, long long left, long long right, bool partial,
+                                           bool& visible) {
+    const RowSpan span = partial ? row_span(ops, i, j - jj, cols, n, left, right) : RowSpan{0, i < n ? cols : 0};
+    return visible_score(S, scale_log2, ops, bias, mask, i, j, jj, span, visible);
 }
 
 // True when the window hides no key of rows [i0, i1) x keys [j0, j1).

@@ -12,6 +12,9 @@
 //   O_i += P V_j      P in registers is the A operand (rounded to T for the 16-bit types), V_j the B operand.
 // K_j and V_j stream through Stages shared-memory buffers with cp.async: tile j + Stages - 1 is in flight while
 // tile j is computed. The epilogue stages O_i / l_i through shared memory so global stores are coalesced.
+// The steady state (full tiles that every row sees whole, without mask or bias) runs first, in a loop compiled
+// apart from the other tiles' (window edges, masks, biases, a short last tile): no run-time flags, no visibility,
+// addresses carried from tile to tile.
 //
 // Semantics are the CUDA-core kernel's (forward.cuh): same arguments, visibility by selection, fully masked
 // rows give 0 and lse -inf. A hidden key whose value row holds inf or NaN must not reach a row through 0 * inf:
@@ -35,9 +38,9 @@ namespace cuflash {
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Lo = false>
 struct MmaShared {
     static constexpr int MT = Br / (16 * Warps);  // m16 tiles per warp
-    // Q_i's fragments of the 16-bit types stay in registers (MT * D / 4 of them) when they take at most 32;
-    // float's and double's are read from shared memory step by step (their products need the registers).
-    static constexpr bool kQInRegisters = sizeof(T) == 2 && MT * D <= 128;
+    // Q_i's fragments of the 16-bit types stay in registers (MT * D / 4 of them) when they and S's take at most
+    // 48; float's and double's are read from shared memory step by step (their products need the registers).
+    static constexpr bool kQInRegisters = sizeof(T) == 2 && MT * (D + Bc) <= 192;
     static constexpr int LDQ = mma::RowPadded<D, T>::ld, LDK = mma::RowPadded<D, T>::ld;
     static constexpr int LDV = mma::Padded<E, T>::ld, LDO = mma::Padded<E, T>::ld, LDP = mma::Padded<Bc, T>::ld;
     static constexpr size_t k_stage = sizeof(T) * Bc * LDK, v_stage = sizeof(T) * Bc * LDV;
@@ -93,26 +96,37 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const KeyRange keys = ops.keys;
     const int tiles = (int)((keys.end - keys.begin + Bc - 1) / Bc);
 
-    // K_j and V_j of key tile `tile` into pipeline stage tile % Stages: full tiles of 16-byte rows by each
-    // thread's chunk loaders (tiles in order), others (a short last tile, strided views) by the general copy.
+    // The plain tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the row max of
+    // raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
+    const bool positive_scale = scale_log2 > Acc(0) && scale_log2 < infinity<Acc>();
+    const TileRange plain = plain_tiles(ops, Bc, left, right, positive_scale);
+
+    // The sweep visits the tiles from the first plain one on, then those before it (a window's left edge):
+    // visit t is tile tile_at(t). The online softmax may take the tiles in any order, and this one puts the
+    // steady tiles first, in a loop of their own (below).
+    const auto tile_at = [&](int t) { return t < tiles - plain.lo ? plain.lo + t : t - (tiles - plain.lo); };
+
+    // K_j and V_j of key tile `tile` into pipeline stage `stage`: full tiles of 16-byte rows from the first plain
+    // one on by each thread's chunk loaders (tiles in order), the others (a short last tile, the tiles before the
+    // first plain one, strided views) by the general copy.
     using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages, Smem::LDK>;
     using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages, Smem::LDV>;
     const int full_tiles = (int)((keys.end - keys.begin) / Bc);
-    const bool chunk_loads = KLoader::kFits && VLoader::kFits && (flags & kVectorK) && (flags & kVectorV) &&
-                             d % chunk_pad<T>() == 0 && e % chunk_pad<T>() == 0;
-    KLoader K_load(k + ops.base.of[kK] + keys.begin * ops.k.row, ops.k.row, (int)d, K_s);
-    VLoader V_load(v + ops.base.of[kV] + keys.begin * ops.v.row, ops.v.row, (int)e, V_s);
+    const bool chunk_loads = KLoader::usable(ops.k.row) && VLoader::usable(ops.v.row) && (flags & kVectorK) &&
+                             (flags & kVectorV) && d % chunk_pad<T>() == 0 && e % chunk_pad<T>() == 0;
+    const long long chunks_from = keys.begin + (long long)plain.lo * Bc;
+    KLoader K_load(k + ops.base.of[kK] + chunks_from * ops.k.row, ops.k.row, (int)d, K_s);
+    VLoader V_load(v + ops.base.of[kV] + chunks_from * ops.v.row, ops.v.row, (int)e, V_s);
     if (chunk_loads) {
         K_load.zero_tail(K_s);
         V_load.zero_tail(V_s);
     }
-    auto load_kv = [&](int tile) {
-        if (chunk_loads && tile < full_tiles) {
-            K_load.next();
-            V_load.next();
+    auto load_kv = [&](int tile, int stage) {
+        if (chunk_loads && tile >= plain.lo && tile < full_tiles) {
+            K_load.next(stage);
+            V_load.next(stage);
             return;
         }
-        const int stage = tile % Stages;
         const long long j0 = keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, keys.end - j0);
         mma::load_tile_async<T, Bc, D, Threads, Smem::LDK>(K_s + stage * Bc * Smem::LDK,
@@ -129,7 +143,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     ptx::cp_async_commit();
 #pragma unroll
     for (int s = 0; s < Stages - 1; ++s) {
-        if (s < tiles) load_kv(s);
+        if (s < tiles) load_kv(tile_at(s), s);
         ptx::cp_async_commit();
     }
     ptx::cp_async_wait<Stages - 1>();
@@ -168,22 +182,26 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             for (int x = 0; x < 4; ++x) O_i[mt][et][x] = Acc(0);
     }
 
-    // The steady state's tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the
-    // row max of raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
-    const bool positive_scale = scale_log2 > Acc(0) && scale_log2 < infinity<Acc>();
-    const TileRange plain = plain_tiles(ops, Bc, left, right, positive_scale);
-
-    for (int tile = 0; tile < tiles; ++tile) {
+    // Visit t of the sweep, in pipeline stage `stage`. Steady visits are plain tiles whose prefetch is a full
+    // tile for the chunk loaders: their loop is compiled apart (kSteady), without the run-time flags, visibility
+    // and careful P V of the other tiles.
+    auto key_tile = [&](const int t, const int stage, auto steady) {
+        constexpr bool kSteady = decltype(steady)::value;
+        const int tile = kSteady ? plain.lo + t : tile_at(t);
         // Tile `tile` has landed for every thread, and every warp is done with the stage the next load reuses.
         ptx::cp_async_wait<Stages - 2>();
         __syncthreads();
-        if (tile + Stages - 1 < tiles) load_kv(tile + Stages - 1);
+        if (kSteady) {
+            K_load.next(mma::previous_stage<Stages>(stage));
+            V_load.next(mma::previous_stage<Stages>(stage));
+        } else if (t + Stages - 1 < tiles) {
+            load_kv(tile_at(t + Stages - 1), mma::previous_stage<Stages>(stage));
+        }
         ptx::cp_async_commit();  // possibly empty: keeps the group count the wait above relies on
-
-        const int stage = tile % Stages;
+        T* const V_stage = V_s + stage * Bc * Smem::LDV;
         if (Math::kPrepare) {  // float: K_j and V_j split (or rounded) to TF32 once, for every warp
             Math::template prepare<Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK, kLoBytes);
-            Math::template prepare<Bc, E, Smem::LDV, Threads>(V_s + stage * Bc * Smem::LDV, kLoBytes);
+            Math::template prepare<Bc, E, Smem::LDV, Threads>(V_stage, kLoBytes);
             __syncthreads();
         }
 
@@ -219,7 +237,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
         // Other tiles: scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and
         // their bits are kept for the rare CUDA-core P V. Only partial tiles and a bias pay per element.
-        const bool plain_tile = tile >= plain.lo && tile < plain.hi;
+        const bool plain_tile = kSteady || (tile >= plain.lo && tile < plain.hi);
         const Acc S_scale = plain_tile ? scale_log2 : Acc(1);  // what takes S to the log2 domain
         unsigned hidden[MT][2] = {};
         bool partial = false;
@@ -233,6 +251,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
+                    const RowSpan span = row_span(ops, i, j0, cols, n, left, right);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -240,17 +259,16 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                             const int jj = 8 * nt + 2 * quad_col + x;
                             bool visible;
                             S[mt][nt][2 * h + x] = visible_score(S[mt][nt][2 * h + x], scale_log2, ops, bias, mask,
-                                                                 i, j0 + jj, jj, cols, n, left, right, partial,
-                                                                 visible);
+                                                                 i, j0 + jj, jj, span, visible);
                             if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
                         }
                 }
         }
 
-        // Online softmax: a row whose max grew moves m_i there and rescales l_i by alpha = exp2(m_old - m_new);
-        // O_i is rescaled only when some row of the warp moved. After the first tiles a row's running max
-        // rarely grows, so most tiles skip the O_i multiplies; the results are those of rescaling by exactly 1.
-        Acc alpha[MT][2];  // 1 for a row whose m_i stayed
+        // Online softmax: a row whose max grew moves m_i there, and its l_i and O_i are rescaled by
+        // alpha = exp2(m_old - m_new). After the first tiles a row's running max rarely grows: the rescale runs
+        // only when some row of the warp moved, and the other tiles skip it (as if rescaling by exactly 1).
+        Acc m_old[MT][2], m_use[MT][2];  // m_use: the max P is taken against (finite while nothing is visible)
         bool any_moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -262,43 +280,54 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                     tile_max = max_(tile_max, max_(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
                 const Acc m_new = mma::quad_max(tile_max) * S_scale;
                 const bool moved = m_new > m_i[mt][h];  // never while nothing is visible (-inf)
-                const Acc m_ref = moved ? m_new : m_i[mt][h];
-                const Acc m_use = m_ref == -infinity<Acc>() ? Acc(0) : m_ref;  // nothing visible yet
-                alpha[mt][h] = moved ? mma::exp2_fast(m_i[mt][h] - m_use) : Acc(1);
                 any_moved |= moved;
-                m_i[mt][h] = m_ref;
-                Acc tile_sum = Acc(0);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-                        const Acc p = mma::exp2_fast(mma::fma_(S[mt][nt][2 * h + x], S_scale, -m_use));
-                        S[mt][nt][2 * h + x] = p;
-                        tile_sum += p;
-                    }
-                l_i[mt][h] = alpha[mt][h] * l_i[mt][h] + tile_sum;  // the quad's lanes add up at the end
+                m_old[mt][h] = m_i[mt][h];
+                m_i[mt][h] = moved ? m_new : m_i[mt][h];
+                m_use[mt][h] = max_(m_i[mt][h], lowest<Acc>());
             }
         if (__any_sync(0xffffffffu, any_moved)) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int et = 0; et < ET; ++et)
+                for (int h = 0; h < 2; ++h) {
+                    const bool moved = m_i[mt][h] != m_old[mt][h];
+                    const Acc alpha = moved ? mma::exp2_fast(m_old[mt][h] - m_use[mt][h]) : Acc(1);
+                    l_i[mt][h] *= alpha;
 #pragma unroll
-                    for (int x = 0; x < 4; ++x) O_i[mt][et][x] *= alpha[mt][x / 2];
+                    for (int et = 0; et < ET; ++et)
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) O_i[mt][et][2 * h + x] *= alpha;
+                }
         }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const Acc p = mma::exp2_fast(mma::fma_(S[mt][nt][2 * h + x], S_scale, -m_use[mt][h]));
+                        S[mt][nt][2 * h + x] = p;
+                        l_i[mt][h] += p;  // this lane's share: the quad's lanes add up at the end
+                    }
 
         // A hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look for non-finite values.
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(
-                                            V_s + stage * Bc * Smem::LDV, cols));
+        const bool careful = !kSteady && partial &&
+                             __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(V_stage, cols));
         if (!careful) {
             Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j, kLoBytes);  // O_i += P_ij V_j, P in registers
         } else {
             mma::pv_by_selection<T, Bc, E, MT, Smem::LDV>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
-                                                          V_s + stage * Bc * Smem::LDV, kLoBytes, cols, lane);
+                                                          V_stage, kLoBytes, cols, lane);
         }
         K_j = mma::next_stage<Stages, (int)Smem::k_stage>(K_j, stage);
         V_j = mma::next_stage<Stages, (int)Smem::v_stage>(V_j, stage);
-    }
+    };
+    const int steady = chunk_loads ? max(0, min(plain.hi, full_tiles - (Stages - 1)) - plain.lo) : 0;
+    int t = 0, stage = 0;
+    for (; t < steady; ++t, stage = mma::next_stage<Stages>(stage)) key_tile(t, stage, mma::Steady<true>{});
+    for (; t < tiles; ++t, stage = mma::next_stage<Stages>(stage)) key_tile(t, stage, mma::Steady<false>{});
     ptx::cp_async_wait<0>();
     __syncthreads();  // every warp is done with Q_s (and P_s): O_s takes their place
 

@@ -95,42 +95,54 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
     }
 }
 
-// A ring of Stages shared-memory stages Bytes apart: from the address in stage `stage`, the same in the next one.
-// Carried from tile to tile, such an address is never recomputed from the thread's index.
-template <int Stages, int Bytes, typename Addr>
-__device__ __forceinline__ Addr next_stage(Addr at, int stage) {
-    return at + (stage == Stages - 1 ? -(Stages - 1) * Bytes : Bytes);
-}
+// A ring of Stages shared-memory stages: the one after `stage`, and the one before it (where the tile Stages - 1
+// on is loaded); an address in stage `stage` moved to the same place in the next stage, Bytes apart. Carried from
+// tile to tile, the ldmatrix addresses are never recomputed from the thread's index.
 template <int Stages> __device__ __forceinline__ int next_stage(int stage) {
     return stage == Stages - 1 ? 0 : stage + 1;
 }
+template <int Stages, int Bytes, typename Addr> __device__ __forceinline__ Addr next_stage(Addr at, int stage) {
+    return at + (stage == Stages - 1 ? -(Stages - 1) * Bytes : Bytes);
+}
+template <int Stages> __device__ __forceinline__ int previous_stage(int stage) {
+    return stage == 0 ? Stages - 1 : stage - 1;
+}
+
+// A compile-time flag passed to a generic lambda (the forward's key tile: steady or not).
+template <bool V> struct Steady { static constexpr bool value = V; };
 
 // One thread's share of full tiles (all Rows rows) of 16-byte chunks streamed through Stages shared stages,
 // worked out once for a whole sweep: the thread copies the chunks of one column c in rows r0, r0 + Step, ... (the
 // very chunks load_tile_async gives it: Threads is a multiple of the chunks per row), so its global pointer
 // advances by a tile's rows per call and its shared addresses by a stage. Only whole chunks: the operand's width
 // `cols` is a multiple of 8 (and the copies 16-byte ones: unit column stride, aligned rows, as the launch checked);
-// a thread whose column lies past it copies nothing, its chunks zeroed once in every stage (zero_tail).
+// a thread whose column lies past it copies nothing, its chunks zeroed once in every stage (zero_tail). A chunk's
+// offset from the thread's first one is a 32-bit number (one multiply-add per address), so the loaders take only
+// operands whose tile spans fewer than 2^31 elements (usable); the general copy takes the others.
 template <typename T, int Rows, int Cols, int Threads, int Stages, int LD = Padded<Cols, T>::ld>
 struct ChunkLoader {
     static constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     static constexpr bool kFits = Threads % ChunksPerRow == 0 && Rows % (Threads / ChunksPerRow) == 0;
     static constexpr int Step = Threads / ChunksPerRow, PerThread = kFits ? Rows / Step : 0;
     static constexpr int kStepBytes = Step * LD * (int)sizeof(T), kStageBytes = Rows * LD * (int)sizeof(T);
-    const T* src;               // this thread's first chunk of the next tile
-    long long step, tile_step;  // elements between its chunks, and between tiles
-    ptx::SharedAddr dst;        // where that chunk goes: in stage `stage`
-    int stage;
-    bool active;                // its column lies within the operand's width
+    const T* src;         // this thread's first chunk of the next tile
+    int step;             // elements between its chunks
+    long long tile_step;  // and between tiles
+    ptx::SharedAddr dst;  // where that chunk goes: in the stage of the next tile
+    bool active;          // its column lies within the operand's width
+
+    __device__ __forceinline__ static bool usable(long long row_stride) {
+        constexpr long long kMost = 0x7fffffffLL / Rows;
+        return kFits && row_stride <= kMost && row_stride >= -kMost;
+    }
 
     __device__ __forceinline__ ChunkLoader(const T* first_row, long long row_stride, int cols, const T* tile) {
         const int r = threadIdx.x / ChunksPerRow, c = threadIdx.x % ChunksPerRow * kChunk;
         active = c < cols;
         src = first_row + r * row_stride + (active ? c : 0);
-        step = Step * row_stride;
+        step = (int)(Step * row_stride);
         tile_step = Rows * row_stride;
         dst = ptx::shared_addr(tile + r * LD + c);
-        stage = 0;
     }
     // Zeros in this thread's chunks of every stage of `tile` when its column is a tail's.
     __device__ __forceinline__ void zero_tail(T* tile) const {
@@ -140,15 +152,16 @@ struct ChunkLoader {
             for (int s = 0; s < PerThread; ++s)
                 *reinterpret_cast<Chunk16*>(tile + st * Rows * LD + (r + s * Step) * LD + c) = Chunk16{};
     }
-    // The next tile's chunks into the next stage, as cp.async copies (they land at the covering wait).
-    __device__ __forceinline__ void next() {
+    // The next tile's chunks into its stage, `stage` (tiles in order, their stages in turn), as cp.async copies
+    // (they land at the covering wait).
+    __device__ __forceinline__ void next(int stage = 0) {
         if (active) {
 #pragma unroll
-            for (int s = 0; s < PerThread; ++s) ptx::cp_async_cg16_whole(dst + s * kStepBytes, src + s * step);
+            for (int s = 0; s < PerThread; ++s)
+                ptx::cp_async_cg16_whole(dst + s * kStepBytes, src + (long long)step * s);
         }
         src += tile_step;
         dst = next_stage<Stages, kStageBytes>(dst, stage);
-        stage = next_stage<Stages>(stage);
     }
 };
 

@@ -43,6 +43,12 @@ template <> __device__ __forceinline__ float infinity<float>() { return __builti
 template <> __device__ __forceinline__ double infinity<double>() { return __builtin_huge_val(); }
 #endif
 
+// The most negative finite value: max_(m, lowest) is m, or this where m is -inf (nothing visible yet), so that
+// exp2(s - it) is 0 for s = -inf and never exp2(-inf + inf).
+template <typename A> __device__ __forceinline__ A lowest();
+template <> __device__ __forceinline__ float lowest<float>() { return -3.402823466e38f; }
+template <> __device__ __forceinline__ double lowest<double>() { return -1.7976931348623157e308; }
+
 __device__ __forceinline__ long long min_ll(long long a, long long b) { return a < b ? a : b; }
 __device__ __forceinline__ long long max_ll(long long a, long long b) { return a > b ? a : b; }
 
