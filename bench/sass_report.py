@@ -200,12 +200,14 @@ def span_classes(code: Sequence[Instr], loop: Loop) -> Counter:
 
 
 def key_loop(code: Sequence[Instr], loops: Sequence[Loop]) -> Loop:
-    """The key-tile loop: the top-level loop with the most tensor-core instructions, or FMA where none has any."""
+    """The key-tile loop: the top-level loop with the most tensor-core instructions, or FMA where none has any.
+    Where several hold as many (a kernel that compiles its steady state's tiles in a loop of their own, apart from
+    the tiles that need masks or checks), the smallest: the others carry the cold paths."""
     spans = [(span_classes(code, lp), lp) for lp in loops]
     for cls in ("tensor", "fma"):
-        best = max(spans, key=lambda s: s[0][cls], default=None)
-        if best and best[0][cls]:
-            return best[1]
+        most = max((s[0][cls] for s in spans), default=0)
+        if most:
+            return min((lp for counts, lp in spans if counts[cls] == most), key=lambda lp: lp.end - lp.head)
     raise ValueError("no loop holds tensor-core or FMA instructions")
 
 
@@ -483,11 +485,15 @@ def analyze(sass: str, plan) -> LoopReport:
     groups = groups_of(_nodes(code, loop), candidates)
     wanted = steps(plan)
     notes = []
-    if [kind_of(code, g[0]) for g in groups] != [s.kind for s in wanted]:
-        notes.append(f"the inner loops ({[kind_of(code, g[0]) for g in groups]}) do not match the steps "
-                     f"({[s.name for s in wanted]}): trip count unknown: weighted 1")
-        wanted = []
-    step_of = {lp.head: s for g, s in zip(groups, wanted) for lp in g}
+    kinds = [kind_of(code, g[0]) for g in groups]
+    looped = wanted  # the steps with an inner loop of their own; a full tile's loads may be unrolled in the body
+    if kinds != [s.kind for s in looped]:
+        looped = [s for s in wanted if s.kind != "load"]
+    if kinds != [s.kind for s in looped]:
+        notes.append(f"the inner loops ({kinds}) do not match the steps ({[s.name for s in wanted]}): trip count "
+                     f"unknown: weighted 1")
+        wanted = looped = []
+    step_of = {lp.head: s for g, s in zip(groups, looped) for lp in g}
     cost, trips, inner = {}, {}, []
     for child in loop.children:
         once = iteration(code, child)
@@ -504,7 +510,8 @@ def analyze(sass: str, plan) -> LoopReport:
     path = cheapest_path(code, loop, cost, groups)
     chunks = sum(s.work for s in wanted if s.unit == "chunks")
     unrolled = unrolled_copies_path(code, loop, cost, chunks) if chunks else None
-    loads = "loops"
+    # the tile's loads: through load loops, or copies unrolled in the body (all of them where no load loop exists)
+    loads = "unrolled" if wanted and not any(s.kind == "load" for s in looped) else "loops"
     if unrolled is not None and (path is None or sum(unrolled.values()) < sum(path.values())):
         path, loads = unrolled, "unrolled"
     if path is None:
@@ -729,6 +736,8 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
         "inner_loops": loop.inner, "loads": loop.loads, "notes": loop.notes,
         "work": "tensor" if path["tensor"] else "fma",
         "instructions_per_mma": ratio(total, path["tensor"]), "instructions_per_fma": ratio(total, path["fma"]),
+        "span_per_mma": ratio(sum(span.values()), span["tensor"]),
+        "span_per_fma": ratio(sum(span.values()), span["fma"]),
         "ldmatrix_per_mma": ratio(ldsm, path["tensor"]), "shared_loads_per_fma": ratio(lds, path["fma"]),
         "flops_per_tile": useful_flops(plan), "partial_tiles": partial_fraction(plan, causal),
     }
@@ -771,8 +780,9 @@ def short_name(name: str) -> str:
 
 
 COLUMNS = (("gpu", "<5"), ("dtype", "<8"), ("d", ">4"), ("kernel", "<29"), ("regs", ">4"), ("instr", ">6"),
-           ("span", ">6"), ("per mma|fma", ">11"), ("ldsm/mma", ">8"), ("lds/fma", ">7"), ("cp.async", ">8"),
-           ("mufu", ">4"), ("bar", ">3"), ("br", ">4"), ("local", ">5"), ("bound", "<6"), ("TFLOP/s", ">7"))
+           ("span", ">6"), ("per mma|fma", ">11"), ("span/op", ">7"), ("ldsm/mma", ">8"), ("lds/fma", ">7"),
+           ("cp.async", ">8"), ("mufu", ">4"), ("bar", ">3"), ("br", ">4"), ("local", ">5"), ("bound", "<6"),
+           ("TFLOP/s", ">7"))
 
 
 def table(rows: Sequence[dict]) -> str:
@@ -789,8 +799,9 @@ def table(rows: Sequence[dict]) -> str:
             continue
         t, tensor = r["per_tile"], r["work"] == "tensor"
         per = f"{r['instructions_per_mma']:.2f} mma" if tensor else f"{r['instructions_per_fma']:.2f} fma"
+        span_per = fixed(r["span_per_mma"] if tensor else r["span_per_fma"])
         lines.append(line((r["gpu"], r["dtype"], r["d"], short_name(r["kernel"]), r["usage"]["registers"],
-                           t["instructions"], r["span"]["instructions"], per,
+                           t["instructions"], r["span"]["instructions"], per, span_per,
                            fixed(r["ldmatrix_per_mma"]) if tensor else None,
                            None if tensor else fixed(r["shared_loads_per_fma"]), t["cp_async"], t["mufu"],
                            t["barrier"], t["branch"], t["local"], r.get("bound"), fixed(r.get("tflops"), 1))))
@@ -799,20 +810,22 @@ def table(rows: Sequence[dict]) -> str:
 
 HEADER = """Estimates read statically from SASS, not measurements. Per warp and per key tile (the backward: per swept
 tile) of each kernel's steady state: full tiles, no mask or bias, inner loops weighted by their trip counts.
-instr: the cheapest path through the key-tile loop; span: every instruction compiled inside it (cold paths too).
+instr: the cheapest path through the key-tile loop; span: every instruction compiled inside it (cold paths too);
+per mma|fma and span/op: each per tensor-core instruction (HMMA, DMMA) or FMA.
 bound: the resource with the most clocks per tile (issue, tensor, fma, shared, mufu) with one block per SM;
 TFLOP/s: the upper bound that gives at the boost clock, from documented per-SM rates (--json has them all)."""
 
 METHOD = {
     "compile": "NVRTC with CuPy's flags (" + " ".join(CUPY_FLAGS) + "); SASS by cuobjdump",
-    "loop": "the key-tile loop is the outermost loop (backward branch) holding the tensor-core (else FMA) "
-            "instructions",
+    "loop": "the key-tile loop is the outermost loop (backward branch) holding the most tensor-core (else FMA) "
+            "instructions; where several hold as many (a kernel that compiles its steady state's tiles in a loop of "
+            "their own), the smallest",
     "path": "the steady state's tile: the cheapest path from the loop's head through its back edge, each inner loop "
             "an iteration's cheapest path times its trip count; it passes every tensor-core instruction and one copy "
-            "of every load and CUDA-core product loop, and avoids the other (cold) loops where it can; or, where a full "
-            "tile's loads are unrolled and that is cheaper, no inner loop but as many 16-byte loads of its own as the "
-            "tile's chunks per thread (loads: \"unrolled\"); branches are taken independently, so it is a lower bound "
-            "on a tile's instructions",
+            "of every load and CUDA-core product loop, and avoids the other (cold) loops where it can; or, where a "
+            "full tile's loads are unrolled and that is cheaper, no inner loop but as many 16-byte loads of its own "
+            "as the tile's chunks per thread (loads: \"unrolled\"); branches are taken independently, so it is a "
+            "lower bound on a tile's instructions",
     "span": "every instruction compiled inside the loop, inner loops weighted by their trip counts (1 where unknown); "
             "FlashAttention-2's loop is branch-free, so its own count is both",
     "trip_counts": "a step's work per thread (16-byte chunks, elements, rows, FMAs: from the template arguments) "
