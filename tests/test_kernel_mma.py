@@ -62,6 +62,20 @@ def test_split_keys_launch():
     assert_accurate(out, q, k, v, lse=lse, causal=True)
 
 
+@pytest.mark.parametrize("dtype", HALVES)
+def test_tiles_before_a_windows_first_plain_one_are_swept_last(dtype):
+    """The steady tiles run first: a window's left edge leaves tiles before the first plain one (block rows
+    [256, 320) see keys from 106 on: tile [106, 170) is partial, [170, 234) plain), and those come after the
+    others, each exactly once."""
+    rng = np.random.default_rng(320)
+    q, k, v = (randn(rng, (1, 320, 32), dtype) for _ in range(3))
+    shape = Workload(dtype, 32, 32, 320, 320)
+    config = tiling.plan(shape, H100, "mma").config
+    assert (config.Br, config.Bc) == (128, 64)
+    out, lse = cuflash.attention(q, k, v, window=(150, None), backend="simt", block="mma", return_lse=True)
+    assert_accurate(out, q, k, v, lse=lse, window=(150, None))
+
+
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
 def test_native_head_dims(d):
     """Each bucket once, with a window straddling tiles, a key tail and rows past n in the last tile."""
