@@ -76,6 +76,18 @@ def test_tiles_before_a_windows_first_plain_one_are_swept_last(dtype):
     assert_accurate(out, q, k, v, lse=lse, window=(150, None))
 
 
+@pytest.mark.parametrize("dtype", [F16, np.dtype(np.float32), np.dtype(np.float64)])
+def test_steady_loop_with_three_stages(dtype):
+    """Enough full tiles for the steady loop with three stages (it prefetches two tiles on): 100 keys make six
+    full 16-key tiles, four of them steady, then the partial ones; with and without a causal mask."""
+    rng = np.random.default_rng(3)
+    q, k, v = randn(rng, (1, 70, 32), dtype), randn(rng, (1, 100, 32), dtype), randn(rng, (1, 100, 32), dtype)
+    for causal in (False, True):
+        out, lse = cuflash.attention(q, k, v, causal=causal, backend="simt", block=BlockConfig.mma(64, 16, 4, 3),
+                                     return_lse=True)
+        assert_accurate(out, q, k, v, lse=lse, causal=causal)
+
+
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
 def test_native_head_dims(d):
     """Each bucket once, with a window straddling tiles, a key tail and rows past n in the last tile."""
