@@ -246,20 +246,26 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             const long long j0 = keys.begin + (long long)tile * Bc;
             cols = (int)min_ll(Bc, keys.end - j0);
             partial = tile_is_partial(ops, j0, cols, Bc, left, right);
+            // Column by column, each row's span worked out once: a key's mask and bias offsets live for one column.
+            RowSpan span[MT][2];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
-                    const RowSpan span = row_span(ops, i, j0, cols, n, left, right);
+                for (int h = 0; h < 2; ++h)
+                    span[mt][h] = row_span(ops, i0 + warp_row + 16 * mt + quad_row + 8 * h, j0, cols, n, left, right);
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int x = 0; x < 2; ++x) {
-                            const int jj = 8 * nt + 2 * quad_col + x;
+                for (int x = 0; x < 2; ++x) {
+                    const int jj = 8 * nt + 2 * quad_col + x;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
                             bool visible;
                             S[mt][nt][2 * h + x] = visible_score(S[mt][nt][2 * h + x], scale_log2, ops, bias, mask,
-                                                                 i, j0 + jj, jj, span, visible);
+                                                                 i, j0 + jj, jj, span[mt][h], visible);
                             if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
                         }
                 }
