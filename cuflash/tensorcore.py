@@ -25,10 +25,14 @@ MAX_BC = 128  # a row's hidden-key bits fit one 32-bit word per lane
 STAGES = (2, 3)
 ROW_PAD_BYTES = 16  # padding per shared-memory row (one 16-byte chunk)
 ITEM = 2  # bytes per element of the 16-bit types (the backward's)
-# 32-bit registers a thread keeps for S, O_i and Q_i's fragments. ptxas needs about 100 more for addresses,
-# strides and prefetched fragments (tests/test_cubin.py prints its counts): the heuristic stays within the
-# target, which compiles without spills at 200-250 registers; past the limit spills are likely.
-REGISTER_TARGET = 144
+SWEEP_BYTES = 240  # the block's Sweep in shared memory (its view of the launch and of its key tiles), 16-byte aligned
+# 32-bit registers a thread keeps for S, O_i and Q_i's fragments. ptxas needs about 95 more for addresses,
+# strides and prefetched fragments (tests/test_cubin.py prints its counts, and fails on any spill): the
+# heuristic stays within the target, which compiles without spills at 230-255 registers; past the limit spills
+# are likely. Two m16 tiles per warp at d = 128 (S 64, O_i 128) fit because the steady loop needs none of the
+# other tiles' registers, which take their keys in two parts (key_parts), and the block's view of the launch
+# waits in shared memory.
+REGISTER_TARGET = 160
 REGISTER_LIMIT = 160
 # float32 and float64 take the rest of the registers for their products: 3xTF32 holds each fragment's high and
 # low parts, float64 two registers per value. ptxas's counts for every candidate (sm_80 and sm_90) put their
@@ -70,7 +74,7 @@ def row_pads(shape: Shape) -> tuple:
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     """Stages K and V tiles, the Q tile (reused for O by the epilogue), and P's scratch rows (in the Q tile's
     space when Q_i sits in registers); rows padded (row_pads); for 3xTF32, a copy of the K, V and Q regions for
-    their low parts. Mirrors MmaShared."""
+    their low parts; last, the block's Sweep. Mirrors MmaShared."""
     D, E, item = bucket(shape.d), bucket(shape.e), shape.dtype.itemsize
     qk_pad, pad = row_pads(shape)
     k = item * config.Bc * (D + qk_pad)
@@ -79,14 +83,23 @@ def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     p = item * config.warps * ROWS_PER_TILE * (config.Bc + pad)
     rest = max(q, p) if q_in_registers(shape, config) else q + p
     lo = config.stages * (k + v) + q if (shape.dtype.name, shape.precision) == ("float32", "highest") else 0
-    return config.stages * (k + v) + rest + lo
+    return config.stages * (k + v) + rest + lo + SWEEP_BYTES
+
+
+def key_parts(shape: Shape, config: BlockConfig) -> int:
+    """The parts the tiles other than the steady ones take their keys in: two where S and O_i would hold more
+    than REGISTER_LIMIT accumulators (their visibility, mask and bias loads need the registers the other half of S
+    takes). Mirrors MmaShared::kParts."""
+    mt = tiles_per_warp(config)
+    return 2 if mt * (config.Bc + bucket(shape.e)) // 2 > REGISTER_LIMIT and config.Bc % 32 == 0 else 1
 
 
 def accumulator_words(shape: Shape, config: BlockConfig) -> int:
-    """32-bit registers per thread for S (Bc/2 accumulators per m16 tile), O_i (E/2) and, when kept, Q_i's
-    fragments (D/4 of 16-bit types); float64 accumulators take two registers each."""
+    """32-bit registers per thread for S (Bc/2 accumulators per m16 tile; the other tiles' part of it, where
+    they take their keys in parts: the steady loop holds S whole, without their visibility and copies), O_i (E/2)
+    and, when kept, Q_i's fragments (D/4 of 16-bit types); float64 accumulators take two registers each."""
     mt, acc = tiles_per_warp(config), max(1, shape.dtype.itemsize // 4)
-    words = mt * (config.Bc // 2 + bucket(shape.e) // 2) * acc
+    words = mt * (config.Bc // key_parts(shape, config) // 2 + bucket(shape.e) // 2) * acc
     if q_in_registers(shape, config):
         words += mt * bucket(shape.d) * shape.dtype.itemsize // 8
     return words

@@ -99,7 +99,7 @@ def test_our_tables_use_the_planners_tiling():
         config = tiling.choose(io_model.SEED_SHAPE, device)
         row = next(line for line in table.splitlines() if line[:18].strip() == device.name)
         assert f"{config.Br} x {config.Bc}" in row and config.variant in row
-    assert "A100                  mma  128 x 64     8     102.0     163      2.063   1.094   32 / 16.5" in table
+    assert "A100                  mma  128 x 64     4     111.2     163      2.063   1.094   32 / 16.5" in table
     t4 = run_script("--no-plots", "--gpu", "T4")
     assert "Br=32, Bc=64" in t4  # the T4's 64 KiB hold 32-row query tiles: twice the H100's K/V passes
     assert "Br=64, Bc=32" in run_script("--no-plots", "--br", "64", "--bc", "32")

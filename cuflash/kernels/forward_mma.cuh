@@ -14,7 +14,8 @@
 // tile j is computed. The epilogue stages O_i / l_i through shared memory so global stores are coalesced.
 // The steady state (full tiles that every row sees whole, without mask or bias) runs first, in a loop compiled
 // apart from the other tiles' (window edges, masks, biases, a short last tile): no run-time flags, no visibility,
-// addresses carried from tile to tile.
+// addresses carried from tile to tile. Where S and O_i take most of the registers, the other tiles take their
+// keys in two parts (MmaShared::kParts), and the block's view of the launch waits in shared memory (Sweep).
 //
 // Semantics are the CUDA-core kernel's (forward.cuh): same arguments, visibility by selection, fully masked
 // rows give 0 and lse -inf. A hidden key whose value row holds inf or NaN must not reach a row through 0 * inf:
@@ -32,15 +33,29 @@
 
 namespace cuflash {
 
+// What a block's sweep needs to know of the launch: its view (BlockOperands), its key tiles, those with all Bc keys,
+// the plain ones among them, whether full tiles take the chunk loaders, and the visits of the steady loop.
+struct Sweep {
+    BlockOperands ops;
+    int tiles, full_tiles;
+    TileRange plain;
+    bool chunk_loads;
+    int steady;
+};
+
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Stages K and V tiles, then the Q tile, whose
 // space the epilogue reuses for O; P's scratch (the rare CUDA-core P V) shares it too when Q sits in registers.
 // Lo (3xTF32): a copy of the K, V and Q regions after it all, lo_offset bytes on, for their operands' low parts.
+// Last, the block's Sweep.
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Lo = false>
 struct MmaShared {
     static constexpr int MT = Br / (16 * Warps);  // m16 tiles per warp
     // Q_i's fragments of the 16-bit types stay in registers (MT * D / 4 of them) when they and S's take at most
     // 48; float's and double's are read from shared memory step by step (their products need the registers).
     static constexpr bool kQInRegisters = sizeof(T) == 2 && MT * (D + Bc) <= 192;
+    // The tiles other than the steady ones take their keys in two parts when S and O_i would hold more than 160
+    // accumulators: their visibility, mask and bias loads need the registers the other half of S takes.
+    static constexpr int kParts = MT * (Bc + E) / 2 > 160 && Bc % 32 == 0 ? 2 : 1;
     static constexpr int LDQ = mma::RowPadded<D, T>::ld, LDK = mma::RowPadded<D, T>::ld;
     static constexpr int LDV = mma::Padded<E, T>::ld, LDO = mma::Padded<E, T>::ld, LDP = mma::Padded<Bc, T>::ld;
     static constexpr size_t k_stage = sizeof(T) * Bc * LDK, v_stage = sizeof(T) * Bc * LDV;
@@ -53,7 +68,8 @@ struct MmaShared {
     static constexpr size_t base_bytes = kQInRegisters ? q_offset + (q_bytes > p_bytes ? q_bytes : p_bytes)
                                                        : p_offset + p_bytes;
     static constexpr size_t lo_offset = Lo ? base_bytes : 0;
-    static constexpr size_t bytes = base_bytes + (Lo ? q_offset + q_bytes : 0);
+    static constexpr size_t sweep_offset = base_bytes + (Lo ? q_offset + q_bytes : 0);
+    static constexpr size_t bytes = sweep_offset + align16(sizeof(Sweep));
 };
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages, bool Split = false, int Passes = 3>
@@ -87,19 +103,34 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands<Br, Split>(g, b, n, m, left, right, flags);
-
+    // The block's view of the launch and of its sweep, worked out by one thread and read from shared memory where
+    // used: kept in registers through the steady loop, they would take those the largest tiles need.
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages, Smem::LDK>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages, Smem::LDV>;
+    if (threadIdx.x == 0) {
+        const BlockOperands o = block_operands<Br, Split>(g, b, n, m, left, right, flags);
+        // The plain tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the row max
+        // of raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
+        const bool positive_scale = scale_log2 > Acc(0) && scale_log2 < infinity<Acc>();
+        const bool chunk_loads = KLoader::usable(o.k.row) && VLoader::usable(o.v.row) && (flags & kVectorK) &&
+                                 (flags & kVectorV) && d % chunk_pad<T>() == 0 && e % chunk_pad<T>() == 0;
+        const int full_tiles = (int)((o.keys.end - o.keys.begin) / Bc);
+        const TileRange plain = plain_tiles(o, Bc, left, right, positive_scale);
+        // Steady visits: plain tiles whose prefetch is a full tile for the chunk loaders.
+        const int steady = chunk_loads ? max(0, min(plain.hi, full_tiles - (Stages - 1)) - plain.lo) : 0;
+        new (smem + Smem::sweep_offset) Sweep{o, (int)((o.keys.end - o.keys.begin + Bc - 1) / Bc), full_tiles,
+                                              plain, chunk_loads, steady};
+    }
+    __syncthreads();
+    const Sweep& sweep = *reinterpret_cast<const Sweep*>(smem + Smem::sweep_offset);
+    const BlockOperands& ops = sweep.ops;
+    const long long& i0 = ops.i0;
+    const KeyRange& keys = ops.keys;
+    const int &rows = ops.rows, &tiles = sweep.tiles, &full_tiles = sweep.full_tiles;
+    const TileRange& plain = sweep.plain;
+    const bool& chunk_loads = sweep.chunk_loads;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // first row of this warp's m16 tiles within Q_i
-    const long long i0 = ops.i0;
-    const int rows = ops.rows;
-    const KeyRange keys = ops.keys;
-    const int tiles = (int)((keys.end - keys.begin + Bc - 1) / Bc);
-
-    // The plain tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the row max of
-    // raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
-    const bool positive_scale = scale_log2 > Acc(0) && scale_log2 < infinity<Acc>();
-    const TileRange plain = plain_tiles(ops, Bc, left, right, positive_scale);
 
     // The sweep visits the tiles from the first plain one on, then those before it (a window's left edge):
     // visit t is tile tile_at(t). The online softmax may take the tiles in any order, and this one puts the
@@ -109,11 +140,6 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // K_j and V_j of key tile `tile` into pipeline stage `stage`: full tiles of 16-byte rows from the first plain
     // one on by each thread's chunk loaders (tiles in order), the others (a short last tile, the tiles before the
     // first plain one, strided views) by the general copy.
-    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages, Smem::LDK>;
-    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages, Smem::LDV>;
-    const int full_tiles = (int)((keys.end - keys.begin) / Bc);
-    const bool chunk_loads = KLoader::usable(ops.k.row) && VLoader::usable(ops.v.row) && (flags & kVectorK) &&
-                             (flags & kVectorV) && d % chunk_pad<T>() == 0 && e % chunk_pad<T>() == 0;
     const long long chunks_from = keys.begin + (long long)plain.lo * Bc;
     KLoader K_load(k + ops.base.of[kK] + chunks_from * ops.k.row, ops.k.row, (int)d, K_s);
     VLoader V_load(v + ops.base.of[kV] + chunks_from * ops.v.row, ops.v.row, (int)e, V_s);
@@ -167,13 +193,14 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
 
     // Running max m_i (log2 domain) and (per-lane partial) sum l_i of rows quad_row and quad_row + 8 of each m16
-    // tile, and the unnormalized O_i in accumulator fragments.
+    // tile, and the unnormalized O_i in accumulator fragments. m_i starts at the lowest finite value, not -inf: P
+    // of a -inf score is then exp2(-inf) = 0, never exp2(-inf + inf), and a row that saw nothing keeps l_i = 0.
     Acc m_i[MT][2], l_i[MT][2], O_i[MT][ET][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            m_i[mt][h] = -infinity<Acc>();
+            m_i[mt][h] = lowest<Acc>();
             l_i[mt][h] = Acc(0);
         }
 #pragma unroll
@@ -205,134 +232,143 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             __syncthreads();
         }
 
-        // S_ij = Q_i K_j^T.
-        Acc S[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int x = 0; x < 4; ++x) S[mt][nt][x] = Acc(0);
-#pragma unroll(Math::kUnrollSteps)
-        for (int kk = 0; kk < KD; ++kk) {
-            typename Math::AFrag a[MT];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (kQRegs)
-                    a[mt] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0];
-                else
-                    Math::template load_a<Smem::LDQ>(a[mt], Q_lane, 16 * mt, Math::kStep * kk, kLoBytes);
-            }
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                typename Math::BFrag bk;
-                Math::template load_b<Smem::LDK>(bk, K_j, 16 * np, Math::kStep * kk, kLoBytes);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    Math::mma(S[mt][2 * np], a[mt], bk, 0);
-                    Math::mma(S[mt][2 * np + 1], a[mt], bk, 1);
-                }
-            }
-        }
-
-        // Other tiles: scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and
-        // their bits are kept for the rare CUDA-core P V. Only partial tiles and a bias pay per element.
+        // Tile-wide: whether the tile is plain, its keys, and whether a hidden key's value row holds inf or NaN
+        // (a hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look, and then P V runs on CUDA
+        // cores with hidden keys skipped).
         const bool plain_tile = kSteady || (tile >= plain.lo && tile < plain.hi);
         const Acc S_scale = plain_tile ? scale_log2 : Acc(1);  // what takes S to the log2 domain
-        unsigned hidden[MT][2] = {};
-        bool partial = false;
-        int cols = Bc;
-        if (!plain_tile) {
-            const long long j0 = keys.begin + (long long)tile * Bc;
-            cols = (int)min_ll(Bc, keys.end - j0);
-            partial = tile_is_partial(ops, j0, cols, Bc, left, right);
-            // Column by column, each row's span worked out once: a key's mask and bias offsets live for one column.
-            RowSpan span[MT][2];
+        const long long j0 = keys.begin + (long long)tile * Bc;
+        const int cols = plain_tile ? Bc : (int)min_ll(Bc, keys.end - j0);
+        const bool partial = !plain_tile && tile_is_partial(ops, j0, cols, Bc, left, right);
+        const bool careful = !kSteady && partial &&
+                             __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(V_stage, cols));
+
+        // The other tiles take their keys in Parts parts of Bp (Smem::kParts), each a step of the online softmax.
+        constexpr int Parts = kSteady ? 1 : Smem::kParts, Bp = Bc / Parts, NP = Bp / 8;
+#pragma unroll 1
+        for (int part = 0; part < Parts; ++part) {
+            const int c0 = part * Bp;  // the part's first column in the tile
+            if (c0 >= cols) break;
+            // S_ij = Q_i K_j^T over the part's keys.
+            Acc S[MT][NP][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    span[mt][h] = row_span(ops, i0 + warp_row + 16 * mt + quad_row + 8 * h, j0, cols, n, left, right);
+                for (int nt = 0; nt < NP; ++nt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+                    for (int x = 0; x < 4; ++x) S[mt][nt][x] = Acc(0);
+#pragma unroll(Math::kUnrollSteps)
+            for (int kk = 0; kk < KD; ++kk) {
+                typename Math::AFrag a[MT];
 #pragma unroll
-                for (int x = 0; x < 2; ++x) {
-                    const int jj = 8 * nt + 2 * quad_col + x;
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
-                            bool visible;
-                            S[mt][nt][2 * h + x] = visible_score(S[mt][nt][2 * h + x], scale_log2, ops, bias, mask,
-                                                                 i, j0 + jj, jj, span[mt][h], visible);
-                            if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
-                        }
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (kQRegs)
+                        a[mt] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0];
+                    else
+                        Math::template load_a<Smem::LDQ>(a[mt], Q_lane, 16 * mt, Math::kStep * kk, kLoBytes);
                 }
-        }
-
-        // Online softmax: a row whose max grew moves m_i there, and its l_i and O_i are rescaled by
-        // alpha = exp2(m_old - m_new). After the first tiles a row's running max rarely grows: the rescale runs
-        // only when some row of the warp moved, and the other tiles skip it (as if rescaling by exactly 1).
-        Acc m_old[MT][2], m_use[MT][2];  // m_use: the max P is taken against (finite while nothing is visible)
-        bool any_moved = false;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+                for (int np = 0; np < NP / 2; ++np) {
+                    typename Math::BFrag bk;
+                    Math::template load_b<Smem::LDK>(bk, K_j, c0 + 16 * np, Math::kStep * kk, kLoBytes);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                Acc tile_max = max_(S[mt][0][2 * h], S[mt][0][2 * h + 1]);
-#pragma unroll
-                for (int nt = 1; nt < NT; ++nt)
-                    tile_max = max_(tile_max, max_(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
-                const Acc m_new = mma::quad_max(tile_max) * S_scale;
-                const bool moved = m_new > m_i[mt][h];  // never while nothing is visible (-inf)
-                any_moved |= moved;
-                m_old[mt][h] = m_i[mt][h];
-                m_i[mt][h] = moved ? m_new : m_i[mt][h];
-                m_use[mt][h] = max_(m_i[mt][h], lowest<Acc>());
+                    for (int mt = 0; mt < MT; ++mt) {
+                        Math::mma(S[mt][2 * np], a[mt], bk, 0);
+                        Math::mma(S[mt][2 * np + 1], a[mt], bk, 1);
+                    }
+                }
             }
-        if (__any_sync(0xffffffffu, any_moved)) {
+
+            // Other tiles: scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and
+            // their bits are kept for the rare CUDA-core P V. Only partial tiles and a bias pay per element.
+            unsigned hidden[MT][2] = {};
+            const int part_cols = min(cols - c0, Bp);
+            if (!plain_tile) {
+                // Column by column, each row's span worked out once: a key's mask and bias offsets live for one
+                // column.
+                RowSpan span[MT][2];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        span[mt][h] = row_span(ops, i0 + warp_row + 16 * mt + quad_row + 8 * h, j0 + c0, part_cols,
+                                               n, left, right);
+#pragma unroll
+                for (int nt = 0; nt < NP; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int jj = 8 * nt + 2 * quad_col + x;
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const long long i = i0 + warp_row + 16 * mt + quad_row + 8 * h;
+                                bool visible;
+                                S[mt][nt][2 * h + x] = visible_score(S[mt][nt][2 * h + x], scale_log2, ops, bias,
+                                                                     mask, i, j0 + c0 + jj, jj, span[mt][h], visible);
+                                if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
+                            }
+                    }
+            }
+
+            // Online softmax: a row whose max grew moves m_i there, and its l_i and O_i are rescaled by
+            // alpha = exp2(m_old - m_new). After the first tiles a row's running max rarely grows: the rescale runs
+            // only when some row of the warp moved, and the other tiles skip it (as if rescaling by exactly 1).
+            Acc m_old[MT][2];
+            bool any_moved = false;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const bool moved = m_i[mt][h] != m_old[mt][h];
-                    const Acc alpha = moved ? mma::exp2_fast(m_old[mt][h] - m_use[mt][h]) : Acc(1);
-                    l_i[mt][h] *= alpha;
+                    Acc tile_max = max_(S[mt][0][2 * h], S[mt][0][2 * h + 1]);
 #pragma unroll
-                    for (int et = 0; et < ET; ++et)
-#pragma unroll
-                        for (int x = 0; x < 2; ++x) O_i[mt][et][2 * h + x] *= alpha;
+                    for (int nt = 1; nt < NP; ++nt)
+                        tile_max = max_(tile_max, max_(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+                    const Acc m_new = mma::quad_max(tile_max) * S_scale;
+                    const bool moved = m_new > m_i[mt][h];  // never for -inf (hidden) scores
+                    any_moved |= moved;
+                    m_old[mt][h] = m_i[mt][h];
+                    m_i[mt][h] = moved ? m_new : m_i[mt][h];
                 }
-        }
+            if (__any_sync(0xffffffffu, any_moved)) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+                    for (int h = 0; h < 2; ++h) {
+                        const bool moved = m_i[mt][h] != m_old[mt][h];
+                        const Acc alpha = moved ? mma::exp2_fast(m_old[mt][h] - m_i[mt][h]) : Acc(1);
+                        l_i[mt][h] *= alpha;
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                        for (int et = 0; et < ET; ++et)
 #pragma unroll
-                    for (int x = 0; x < 2; ++x) {
-                        const Acc p = mma::exp2_fast(mma::fma_(S[mt][nt][2 * h + x], S_scale, -m_use[mt][h]));
-                        S[mt][nt][2 * h + x] = p;
-                        l_i[mt][h] += p;  // this lane's share: the quad's lanes add up at the end
+                            for (int x = 0; x < 2; ++x) O_i[mt][et][2 * h + x] *= alpha;
                     }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int nt = 0; nt < NP; ++nt)
+#pragma unroll
+                        for (int x = 0; x < 2; ++x) {
+                            const Acc p = mma::exp2_fast(mma::fma_(S[mt][nt][2 * h + x], S_scale, -m_i[mt][h]));
+                            S[mt][nt][2 * h + x] = p;
+                            l_i[mt][h] += p;  // this lane's share: the quad's lanes add up at the end
+                        }
 
-        // A hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look for non-finite values.
-        const bool careful = !kSteady && partial &&
-                             __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(V_stage, cols));
-        if (!careful) {
-            Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j, kLoBytes);  // O_i += P_ij V_j, P in registers
-        } else {
-            mma::pv_by_selection<T, Bc, E, MT, Smem::LDV>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
-                                                          V_stage, kLoBytes, cols, lane);
+            if (!careful) {  // O_i += P_ij V_j, P in registers
+                Math::template pv<Smem::LDV, MT, NP, ET>(O_i, S, V_j + c0 * Smem::LDV * (int)sizeof(T), kLoBytes);
+            } else {
+                mma::pv_by_selection<T, Bp, E, MT, Smem::LDV>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
+                                                              V_stage + c0 * Smem::LDV, kLoBytes, part_cols, lane);
+            }
         }
         K_j = mma::next_stage<Stages, (int)Smem::k_stage>(K_j, stage);
         V_j = mma::next_stage<Stages, (int)Smem::v_stage>(V_j, stage);
     };
-    const int steady = chunk_loads ? max(0, min(plain.hi, full_tiles - (Stages - 1)) - plain.lo) : 0;
     int t = 0, stage = 0;
-    for (; t < steady; ++t, stage = mma::next_stage<Stages>(stage)) key_tile(t, stage, mma::Steady<true>{});
+    for (; t < sweep.steady; ++t, stage = mma::next_stage<Stages>(stage)) key_tile(t, stage, mma::Steady<true>{});
     for (; t < tiles; ++t, stage = mma::next_stage<Stages>(stage)) key_tile(t, stage, mma::Steady<false>{});
     ptx::cp_async_wait<0>();
     __syncthreads();  // every warp is done with Q_s (and P_s): O_s takes their place

@@ -126,8 +126,7 @@ struct ChunkLoader {
     static constexpr int Step = Threads / ChunksPerRow, PerThread = kFits ? Rows / Step : 0;
     static constexpr int kStepBytes = Step * LD * (int)sizeof(T), kStageBytes = Rows * LD * (int)sizeof(T);
     const T* src;         // this thread's first chunk of the next tile
-    int step;             // elements between its chunks
-    long long tile_step;  // and between tiles
+    int step;             // elements between its chunks (PerThread steps between tiles)
     ptx::SharedAddr dst;  // where that chunk goes: in the stage of the next tile
     bool active;          // its column lies within the operand's width
 
@@ -141,7 +140,6 @@ struct ChunkLoader {
         active = c < cols;
         src = first_row + r * row_stride + (active ? c : 0);
         step = (int)(Step * row_stride);
-        tile_step = Rows * row_stride;
         dst = ptx::shared_addr(tile + r * LD + c);
     }
     // Zeros in this thread's chunks of every stage of `tile` when its column is a tail's.
@@ -160,7 +158,7 @@ struct ChunkLoader {
             for (int s = 0; s < PerThread; ++s)
                 ptx::cp_async_cg16_whole(dst + s * kStepBytes, src + (long long)step * s);
         }
-        src += tile_step;
+        src += (long long)step * PerThread;
         dst = next_stage<Stages, kStageBytes>(dst, stage);
     }
 };
