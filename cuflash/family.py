@@ -135,6 +135,9 @@ class Family:
     register_target: accumulator words a chosen configuration keeps at most; register_limit: past it, refused;
     register_bounds_of(shape): (target, limit) where they depend on the dtype or precision (None: the two above).
     register_advice: what to change when over the limit.
+    min_resident_warps: the heuristic takes only configurations that keep at least this many warps on an SM
+    (forced ones run whatever it is): fewer leave a tensor core waiting on memory, and the next family runs such
+    shapes instead.
     kind: what it computes ("forward"; "dq" or "dkdv", the two halves of the backward). tiles_along: the axis its
     blocks tile ("queries": one block per Br queries; "keys": one per Bc keys). operands, scalars: its parameters
     before and after the geometry table, by name (launch.OPERANDS; launch.scalar_values)."""
@@ -158,6 +161,7 @@ class Family:
     register_advice: str
     stages: Tuple[int, ...] = field(default=(1,))
     register_bounds_of: Optional[Callable[[Shape], Tuple[int, int]]] = None
+    min_resident_warps: int = 0
     kind: str = "forward"
     tiles_along: str = "queries"
     operands: Tuple[str, ...] = FORWARD_OPERANDS
@@ -241,12 +245,13 @@ class Family:
         return not self.not_supported_reasons(shape, config, device, suggest=False)
 
     def first_fit(self, shape: Shape, device: DeviceLimits) -> Optional[BlockConfig]:
-        """The first candidate within the register target that runs; failing that, the first that runs at all;
-        trying the candidate lists in order (None: none runs)."""
+        """The first candidate within the register target that runs and keeps min_resident_warps on an SM; failing
+        that, the first that runs so at all; trying the candidate lists in order (None: none runs)."""
         if self.eligibility(shape, device):
             return None
         for candidates in self.candidates(shape):
-            runs = [c for c in candidates if self.runs(shape, c, device)]
+            runs = [c for c in candidates if self.runs(shape, c, device) and
+                    self.occupancy(shape, c, device) * c.warps >= self.min_resident_warps]
             roomy = [c for c in runs if self.accumulator_words(shape, c) <= self.register_bounds(shape)[0]]
             if roomy or runs:
                 return (roomy or runs)[0]

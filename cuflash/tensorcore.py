@@ -34,12 +34,18 @@ SWEEP_BYTES = 240  # the block's Sweep in shared memory (its view of the launch 
 # waits in shared memory.
 REGISTER_TARGET = 160
 REGISTER_LIMIT = 160
+# The heuristic's tensor-core forward keeps at least 4 warps on each SM: a block of one warp whose shared memory
+# fills the SM (3xTF32 at large head dims on GPUs with 99 KiB) leaves the tensor cores waiting on every load, and
+# the CUDA-core kernel's 8 warps run such shapes faster.
+MIN_RESIDENT_WARPS = 4
+STEADY_REGISTER_LIMIT = 192  # S and O_i in the steady loop (128 x 64 at d = 128, 128 x 128 at d = 64)
 # float32 and float64 take the rest of the registers for their products: 3xTF32 holds each fragment's high and
 # low parts, float64 two registers per value. ptxas's counts for every candidate (sm_80 and sm_90) put their
-# spill thresholds here, so 3xTF32 runs head dims up to 128, one TF32 pass up to 256 and float64 up to 64; past
-# them the CUDA-core kernel runs (tests/test_cubin.py compiles every choice).
-REGISTER_BOUNDS = {("float32", "highest"): (96, 96), ("float32", "tf32"): (136, 136),
-                   ("float64", "highest"): (96, 96)}
+# spill thresholds here, so 3xTF32 runs head dims up to 192, one TF32 pass up to 256 and float64 up to 160, with
+# the smaller tiles past the target (where they keep MIN_RESIDENT_WARPS on an SM); past the limit the CUDA-core
+# kernel runs (tests/test_cubin.py compiles every choice).
+REGISTER_BOUNDS = {("float32", "highest"): (96, 104), ("float32", "tf32"): (136, 136),
+                   ("float64", "highest"): (96, 176)}
 
 
 def register_bounds(shape: Shape) -> tuple:
@@ -87,18 +93,22 @@ def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
 
 
 def key_parts(shape: Shape, config: BlockConfig) -> int:
-    """The parts the tiles other than the steady ones take their keys in: two where S and O_i would hold more
-    than REGISTER_LIMIT accumulators (their visibility, mask and bias loads need the registers the other half of S
-    takes). Mirrors MmaShared::kParts."""
+    """The parts the tiles other than the steady ones take their keys in: two where S and O_i would hold
+    REGISTER_LIMIT accumulators or more (their visibility, mask and bias loads need the registers the other half
+    of S takes). Mirrors MmaShared::kParts."""
     mt = tiles_per_warp(config)
-    return 2 if mt * (config.Bc + bucket(shape.e)) // 2 > REGISTER_LIMIT and config.Bc % 32 == 0 else 1
+    return 2 if mt * (config.Bc + bucket(shape.e)) // 2 >= REGISTER_LIMIT and config.Bc % 32 == 0 else 1
 
 
 def accumulator_words(shape: Shape, config: BlockConfig) -> int:
-    """32-bit registers per thread for S (Bc/2 accumulators per m16 tile; the other tiles' part of it, where
-    they take their keys in parts: the steady loop holds S whole, without their visibility and copies), O_i (E/2)
-    and, when kept, Q_i's fragments (D/4 of 16-bit types); float64 accumulators take two registers each."""
+    """32-bit registers per thread for S (Bc/2 accumulators per m16 tile), O_i (E/2) and, when kept, Q_i's
+    fragments (D/4 of 16-bit types); float64 accumulators take two registers each. Where the other tiles take
+    their keys in parts, their share of S: the steady loop holds S whole, without their visibility and copies,
+    and has room for STEADY_REGISTER_LIMIT words (past it, its own count, which the limit refuses)."""
     mt, acc = tiles_per_warp(config), max(1, shape.dtype.itemsize // 4)
+    steady = mt * (config.Bc // 2 + bucket(shape.e) // 2) * acc
+    if steady > STEADY_REGISTER_LIMIT:
+        return steady
     words = mt * (config.Bc // key_parts(shape, config) // 2 + bucket(shape.e) // 2) * acc
     if q_in_registers(shape, config):
         words += mt * bucket(shape.d) * shape.dtype.itemsize // 8
@@ -171,11 +181,12 @@ def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
 
 
 # Preference order: 128 query rows with 4 warps of two m16 tiles (each K and V fragment feeds four mma, not
-# two) where the registers allow it, with 64 keys per tile (d <= 64) or 32 (float32, float64); else
+# two) where the registers allow it, with 128 keys per tile (d <= 64: each tile's fixed costs, O_i's rescale
+# among them, spread over twice the mma), 64 (d <= 128) or 32 (float32, float64); else
 # 8 warps of one m16 tile; 16-key tiles where float32's and float64's products need the registers; smaller tiles
 # for large head dims on smaller shared memories.
 CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
-    (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (64, 16, 4), (32, 32, 2), (16, 32, 1),
+    (128, 128, 4), (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (64, 16, 4), (32, 32, 2), (16, 32, 1),
     (16, 16, 1)))
 
 
@@ -196,7 +207,8 @@ FORWARD = Family(
     registers_estimate=registers_estimate, template_args=template_args,
     column_width=lambda shape, config: max(1, shape.e), candidates=candidates,
     register_target=REGISTER_TARGET, register_limit=REGISTER_LIMIT,
-    register_advice="use a smaller Br or Bc, or more warps", stages=STAGES, register_bounds_of=register_bounds)
+    register_advice="use a smaller Br or Bc, or more warps", stages=STAGES, register_bounds_of=register_bounds,
+    min_resident_warps=MIN_RESIDENT_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------------------------

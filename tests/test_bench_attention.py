@@ -356,7 +356,7 @@ def test_the_planners_choice_is_recorded_per_point(monkeypatch):
     monkeypatch.setattr(tiling.DeviceLimits, "of", classmethod(lambda cls, device=None: h100))
     decoding = decode("float16", 128, (32768,))[0]
     assert heuristic_plan(decoding) == ((8, 32), 8)  # 16 heads: 16 blocks, 8 splits in one wave
-    assert heuristic_plan(PRESETS["fa2"].points[0]) == ((128, 64), 1)  # d = 64: two m16 tiles per warp
+    assert heuristic_plan(PRESETS["fa2"].points[0]) == ((128, 128), 1)  # d = 64: two m16 tiles per warp, 128 keys
     assert plan_note({"block": (8, 32), "splits": 8}) == "8x32, 8 splits"
     assert plan_note({"block": (128, 64), "splits": 1}) == "128x64"
     assert plan_note({"block": None}) == ""

@@ -57,8 +57,9 @@ def test_split_keys(case, precision):
     check_case(case, backend="simt", block="mma", precision=precision)
 
 
-@pytest.mark.parametrize("dtype, precision, d", [(F32, "highest", 32), (F32, "highest", 128), (F32, "tf32", 96),
-                                                 (F32, "tf32", 256), (F64, None, 32), (F64, None, 64)])
+@pytest.mark.parametrize("dtype, precision, d", [(F32, "highest", 32), (F32, "highest", 128), (F32, "highest", 192),
+                                                 (F32, "tf32", 96), (F32, "tf32", 256), (F64, None, 32),
+                                                 (F64, None, 64), (F64, None, 160)])
 def test_native_head_dims(dtype, precision, d):
     """Buckets of each type, with a window straddling tiles, a key tail and rows past n in the last tile."""
     rng = np.random.default_rng(d)
@@ -152,11 +153,11 @@ def test_grouped_query_attention_strided_views_and_bias():
 
 
 # The largest head dim each runs on tensor cores (tensorcore.REGISTER_BOUNDS): past it, registers would spill.
-TENSOR_CORE_HEAD_DIMS = {(F32, "highest"): 128, (F32, "tf32"): 256, (F64, "highest"): 64}
+TENSOR_CORE_HEAD_DIMS = {(F32, "highest"): 192, (F32, "tf32"): 256, (F64, "highest"): 160}
 
 
 @pytest.mark.parametrize("device", [H100, A100, A10, L4])
-@pytest.mark.parametrize("d", [32, 64, 100, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 100, 128, 192, 224, 256])
 @pytest.mark.parametrize("precision", ["highest", "tf32"])
 def test_float32_runs_on_tensor_cores_up_to_its_head_dims(device, d, precision):
     shape = Shape(F32, d, d, precision=precision)
@@ -166,12 +167,19 @@ def test_float32_runs_on_tensor_cores_up_to_its_head_dims(device, d, precision):
         reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(16, 16, 1), device)
         assert any("accumulator registers" in r for r in reasons), reasons
         return
-    assert config.variant == "mma" and not tiling.not_supported_reasons(shape, config, device)
+    assert (tensorcore.FORWARD.first_fit(shape, device) is not None) == (config.variant == "mma")
+    if config.variant == "fma":  # every tensor-core block that fits leaves fewer than 4 warps on an SM
+        fits = [c for c in tensorcore.CANDIDATES if tensorcore.FORWARD.runs(shape, c, device)]
+        assert all(tensorcore.FORWARD.occupancy(shape, c, device) * c.warps < tensorcore.MIN_RESIDENT_WARPS
+                   for c in fits)
+        assert (device, precision) not in ((H100, "highest"), (A100, "highest"), (H100, "tf32")) or d > 128
+        return
+    assert not tiling.not_supported_reasons(shape, config, device)
     passes = tensorcore.PASSES[precision]
     assert tiling.plan(shape, device).name.endswith(f", false, {passes}>")
 
 
-@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 128, 160, 192, 256])
 def test_float64_runs_on_dmma_only_where_it_is_fast(d):
     for device in (H100, A100):
         shape = Shape(F64, d, d)
@@ -180,6 +188,11 @@ def test_float64_runs_on_dmma_only_where_it_is_fast(d):
             assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
             reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(64, 16), device)
             assert any("accumulator registers" in r for r in reasons), reasons
+            continue
+        if (device, d) == (A100, 160):  # only one warp's block fits its shared memory: fewer than 4 on an SM
+            assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
+            assert not tiling.not_supported_reasons(shape, BlockConfig.mma(16, 16, 1), device)
+            assert tensorcore.FORWARD.occupancy(shape, BlockConfig.mma(16, 16, 1), device) < 4
             continue
         assert config.variant == "mma"
         assert tensorcore.accumulator_words(shape, config) <= tensorcore.register_bounds(shape)[1]

@@ -53,9 +53,9 @@ struct MmaShared {
     // Q_i's fragments of the 16-bit types stay in registers (MT * D / 4 of them) when they and S's take at most
     // 48; float's and double's are read from shared memory step by step (their products need the registers).
     static constexpr bool kQInRegisters = sizeof(T) == 2 && MT * (D + Bc) <= 192;
-    // The tiles other than the steady ones take their keys in two parts when S and O_i would hold more than 160
-    // accumulators: their visibility, mask and bias loads need the registers the other half of S takes.
-    static constexpr int kParts = MT * (Bc + E) / 2 > 160 && Bc % 32 == 0 ? 2 : 1;
+    // The tiles other than the steady ones take their keys in two parts when S and O_i would hold 160
+    // accumulators or more: their visibility, mask and bias loads need the registers the other half of S takes.
+    static constexpr int kParts = MT * (Bc + E) / 2 >= 160 && Bc % 32 == 0 ? 2 : 1;
     static constexpr int LDQ = mma::RowPadded<D, T>::ld, LDK = mma::RowPadded<D, T>::ld;
     static constexpr int LDV = mma::Padded<E, T>::ld, LDO = mma::Padded<E, T>::ld, LDP = mma::Padded<Bc, T>::ld;
     static constexpr size_t k_stage = sizeof(T) * Bc * LDK, v_stage = sizeof(T) * Bc * LDV;
