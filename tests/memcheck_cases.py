@@ -67,6 +67,13 @@ def case_mma():
     v = randn(rng, (1, 1100, 2 * 19), np.float16)[..., ::2]
     out, lse = cuflash.attention(q, k, v, backend="simt", block="mma", return_lse=True)
     assert_accurate(out, q, k, v, lse=lse)
+    # The other tiles in two parts (two m16 tiles, 64 keys, e = 128), a short second part and hidden NaNs.
+    q, k, v = randn(rng, (40, 64), np.float16), randn(rng, (178, 64), np.float16), randn(rng, (178, 128), np.float16)
+    mask = rng.random((40, 178)) < 0.8
+    mask[:, 5] = False
+    v[5] = np.nan
+    out = cuflash.attention(q, k, v, mask=mask, backend="simt", block=BlockConfig.mma(32, 64, 1))
+    assert_accurate(out, q, k, v, mask=mask)
 
 
 def case_mma_wide():

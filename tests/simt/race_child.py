@@ -124,6 +124,11 @@ def case_clean_attention():
             o, lse = cuflash.attention(q, k, v, causal=causal, backend="simt", precision=precision,
                                        return_lse=True)
             assert_accurate(o, q, k, v, lse=lse, causal=causal, precision=precision)
+    # The tensor-core forward's other tiles in two parts (two m16 tiles, 64 keys, e = 128), with a mask.
+    q, k, v = (rng.standard_normal(shape).astype(np.float16) for shape in ((40, 64), (150, 64), (150, 128)))
+    mask = rng.random((40, 150)) < 0.8
+    o = cuflash.attention(q, k, v, mask=mask, backend="simt", block=cuflash.BlockConfig.mma(32, 64, 1))
+    assert_accurate(o, q, k, v, mask=mask)
 
 
 def case_clean_backward():

@@ -32,6 +32,7 @@ def marker_line(marker):
 
 def run_child(case):
     env = simt.sanitizer_env("race", mode=None)
+    env["OPENBLAS_NUM_THREADS"] = "1"  # TSan cannot see OpenBLAS's own pool synchronize (the reference's matmuls)
     env["PYTHONPATH"] = os.pathsep.join([str(simt_util.ROOT), str(HERE), str(simt_util.ROOT / "tests"),
                                          os.environ.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, str(HERE / "race_child.py"), case], capture_output=True, text=True,
