@@ -309,14 +309,15 @@ def cheapest_path(code: Sequence[Instr], loop: Loop, cost: Dict[int, Tally], gro
     return counts if counts is not None else _cheapest(code, loop, cost, groups, set(), products)
 
 
-def unrolled_copies_path(code: Sequence[Instr], loop: Loop, cost: Dict[int, Tally], copies: int):
-    """The cheapest path that runs no inner loop but passes at least `copies` 16-byte global loads of its own
-    (cp.async or LDG): a full tile's loads unrolled, the other way a tile may take its loads. None when no path
-    does."""
+def unrolled_copies_path(code: Sequence[Instr], loop: Loop, cost: Dict[int, Tally], copies: int,
+                         groups: Sequence[Sequence[Loop]] = ()):
+    """The cheapest path that passes at least `copies` 16-byte global loads of its own (cp.async or LDG), a full
+    tile's loads unrolled (the other way a tile may take its loads), and one loop of each of `groups` in order
+    (the products' inner loops, where they have them), and no other inner loop. None when no path does."""
     inner = {i for child in loop.children for i in range(child.head, child.end + 1)}
     products = [i for i in range(loop.head, loop.end + 1) if i not in inner and classify(code[i]) == "tensor"]
-    avoid = {child.head for child in loop.children}
-    return _cheapest(code, loop, cost, [], avoid, products, copies)
+    avoid = {child.head for child in loop.children} - {lp.head for members in groups for lp in members}
+    return _cheapest(code, loop, cost, groups, avoid, products, copies)
 
 
 def is_chunk_load(ins: Instr) -> bool:
@@ -324,9 +325,10 @@ def is_chunk_load(ins: Instr) -> bool:
 
 
 def _cheapest(code, loop, cost, groups, avoid, products, copies=0):
-    """With `copies`, groups are none and the state counts the 16-byte loads passed instead (up to `copies`)."""
+    """A path's state: the groups passed, in order, and the 16-byte loads passed (up to `copies`)."""
     nodes = _nodes(code, loop)
-    goal = copies if copies else len(groups)
+    goal = (len(groups), copies)
+    states = [(g, c) for g in range(len(groups) + 1) for c in range(copies + 1)]
 
     def skips_a_product(i, j):
         k = bisect.bisect_right(products, i)
@@ -334,25 +336,25 @@ def _cheapest(code, loop, cost, groups, avoid, products, copies=0):
 
     stage = {lp.head: g for g, members in enumerate(groups) for lp in members}
     inf = math.inf
-    best: Dict[Tuple[int, int], Tuple[float, Optional[Tuple[int, int]]]] = {(loop.head, 0): (0, None)}
-    finish: Tuple[float, Optional[Tuple[int, int]]] = (inf, None)
+    best: Dict[tuple, Tuple[float, Optional[tuple]]] = {(loop.head, (0, 0)): (0, None)}
+    finish: Tuple[float, Optional[tuple]] = (inf, None)
     for i in sorted(nodes):
         child, succ, latch = nodes[i]
         if i in avoid:
             continue
         weight = sum(cost[i].values()) if child is not None else 1
-        for k in range(goal + 1):
+        for k in states:
             if (i, k) not in best:
                 continue
             after = best[(i, k)][0] + weight
-            k2 = k + 1 if child is not None and stage.get(i) == k else k
-            if copies and child is None and is_chunk_load(code[i]):
-                k2 = min(copies, k + 1)
+            g, c = k
+            g2 = g + 1 if child is not None and stage.get(i) == g else g
+            c2 = min(copies, c + 1) if copies and child is None and is_chunk_load(code[i]) else c
             if latch and k == goal and after < finish[0]:
                 finish = (after, (i, k))
             for j in succ:
-                if after < best.get((j, k2), (inf,))[0] and not skips_a_product(i, j):
-                    best[(j, k2)] = (after, (i, k))
+                if after < best.get((j, (g2, c2)), (inf,))[0] and not skips_a_product(i, j):
+                    best[(j, (g2, c2))] = (after, (i, k))
     if finish[1] is None:
         return None
     counts, state = Counter(), finish[1]
@@ -509,7 +511,8 @@ def analyze(sass: str, plan) -> LoopReport:
                       "iteration": sum(once.values()), "trips": trip, "trip_count": how})
     path = cheapest_path(code, loop, cost, groups)
     chunks = sum(s.work for s in wanted if s.unit == "chunks")
-    unrolled = unrolled_copies_path(code, loop, cost, chunks) if chunks else None
+    products = [g for g, s in zip(groups, looped) if s.kind != "load"]  # the product loops an unrolled tile passes
+    unrolled = unrolled_copies_path(code, loop, cost, chunks, products) if chunks else None
     # the tile's loads: through load loops, or copies unrolled in the body (all of them where no load loop exists)
     loads = "unrolled" if wanted and not any(s.kind == "load" for s in looped) else "loops"
     if unrolled is not None and (path is None or sum(unrolled.values()) < sum(path.values())):

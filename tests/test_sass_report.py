@@ -213,3 +213,39 @@ def test_the_key_loop_is_the_smallest_of_those_with_the_most_products():
     loops = sass_report.find_loops(code)
     assert len(loops) == 2
     assert code[sass_report.key_loop(code, loops).head].addr == 0x40
+
+
+# The CUDA-core kernels' shape: a key-tile loop [0x10, 0xb0] whose loads are a load loop [0x20, 0x30] or two
+# unrolled 16-byte loads, and whose product is an inner FMA loop [0x80, 0xa0] either way (behind the guard that
+# skips a loop of no trips).
+UNROLLED_THEN_PRODUCTS = [
+    (0x00, "S2R R0, SR_TID.X"),
+    (0x10, "@P0 BRA 0x40"),
+    (0x20, "LDG.E.128 R4, desc[UR4][R2.64]"),
+    (0x30, "@P2 BRA 0x20"),
+    (0x40, "@!P0 BRA 0x70"),
+    (0x50, "LDG.E.128 R8, desc[UR4][R6.64]"),
+    (0x60, "LDG.E.128 R12, desc[UR4][R6.64+0x1000]"),
+    (0x70, "@!P5 BRA 0xb0"),
+    (0x80, "FFMA R20, R21, R22, R20"),
+    (0x90, "FFMA R23, R21, R24, R23"),
+    (0xa0, "@P3 BRA 0x80"),
+    (0xb0, "@P4 BRA 0x10"),
+    (0xc0, "EXIT"),
+]
+
+
+def test_unrolled_loads_still_pass_the_product_loops():
+    """The unrolled way through a tile passes its loads and the products' inner loops, never skips them."""
+    text = "\n".join(f"        /*{a:04x}*/{'':19}{ins} ;{'':20}/* 0x000fe20000000f00 */"
+                     for a, ins in UNROLLED_THEN_PRODUCTS)
+    code = sass_report.parse(f"\tFunction : _Z6kernelv\n{text}\n")
+    [loop] = sass_report.find_loops(code)
+    load, product = sorted(loop.children, key=lambda c: c.head)
+    cost = {load.head: sass_report.scaled(sass_report.iteration(code, load), 2),
+            product.head: sass_report.scaled(sass_report.iteration(code, product), 10)}
+    unrolled = sass_report.unrolled_copies_path(code, loop, cost, 2, [[product]])
+    assert classes_of(unrolled)["fma"] == 20 and classes_of(unrolled)["global"] == 2
+    assert sum(unrolled.values()) == 1 + 1 + 2 + 1 + 3 * 10 + 1
+    assert sass_report.unrolled_copies_path(code, loop, cost, 3, [[product]]) is None
+    assert "fma" not in classes_of(sass_report.unrolled_copies_path(code, loop, cost, 2))  # the guard's way

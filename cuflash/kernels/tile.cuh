@@ -159,7 +159,7 @@ template <typename T, int PerLane> struct LaneColumns {
 template <int R, int C, int RG, int LDX, int LDY, typename T, typename Acc>
 __device__ __forceinline__ void tile_product(Acc (&out)[R][C], const T* X, const T* Y, int width, int ty, int tx) {
     constexpr int V = 16 / (int)sizeof(T);
-#pragma unroll 1  // a body of V * R * C FMAs is work enough; one copy keeps registers and code small
+#pragma unroll 2
     for (int x = 0; x < width; x += V) {
         Acc x_x[R][V], y_x[C][V];
 #pragma unroll
@@ -185,7 +185,7 @@ __device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, co
                                               int ty, int tx) {
     using Columns = LaneColumns<T, C>;
     constexpr int VW = 16 / (int)sizeof(Acc), RY = Columns::R;
-#pragma unroll 1
+#pragma unroll 2
     for (int j = 0; j < count; j += VW) {
         Acc w_j[R][VW], p_j[R][VW];
 #pragma unroll
@@ -231,7 +231,11 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
     if (vector) {  // the launch checked: col_stride == 1 and every row start is 16-byte aligned
         constexpr int V = 16 / sizeof(T);
         static_assert(Cols % V == 0, "tile width must be a whole number of 16-byte chunks");
-        for (int idx = threadIdx.x; idx < Rows * (Cols / V); idx += Threads) {
+        constexpr int Chunks = Rows * (Cols / V);
+#pragma unroll
+        for (int k = 0; k < (Chunks + Threads - 1) / Threads; ++k) {  // a trip count known here: unrolled
+            const int idx = threadIdx.x + k * Threads;
+            if (Chunks % Threads != 0 && idx >= Chunks) break;
             const int r = idx / (Cols / V), c = (idx % (Cols / V)) * V;
             if (r < rows && c + V <= cols) {
                 const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(src + r * row_stride + c);
