@@ -159,7 +159,7 @@ template <typename T, int PerLane> struct LaneColumns {
 template <int R, int C, int RG, int LDX, int LDY, typename T, typename Acc>
 __device__ __forceinline__ void tile_product(Acc (&out)[R][C], const T* X, const T* Y, int width, int ty, int tx) {
     constexpr int V = 16 / (int)sizeof(T);
-#pragma unroll 2
+#pragma unroll 2  // two chunks an iteration: the loop's counter and addresses cost half as much per FMA
     for (int x = 0; x < width; x += V) {
         Acc x_x[R][V], y_x[C][V];
 #pragma unroll
@@ -185,7 +185,7 @@ __device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, co
                                               int ty, int tx) {
     using Columns = LaneColumns<T, C>;
     constexpr int VW = 16 / (int)sizeof(Acc), RY = Columns::R;
-#pragma unroll 2
+#pragma unroll 2  // as in tile_product
     for (int j = 0; j < count; j += VW) {
         Acc w_j[R][VW], p_j[R][VW];
 #pragma unroll
