@@ -67,6 +67,10 @@ def case_mma():
     v = randn(rng, (1, 1100, 2 * 19), np.float16)[..., ::2]
     out, lse = cuflash.attention(q, k, v, backend="simt", block="mma", return_lse=True)
     assert_accurate(out, q, k, v, lse=lse)
+    # Contiguous K and V (the steady loop's chunk loaders) and a short last tile, which they must never copy.
+    k, v = randn(rng, (1, 1100, 32), np.float16), randn(rng, (1, 1100, 32), np.float16)
+    out = cuflash.attention(q, k, v, backend="simt", block="mma")
+    assert_accurate(out, q, k, v)
     # The other tiles in two parts (two m16 tiles, 64 keys, e = 128), a short second part and hidden NaNs.
     q, k, v = randn(rng, (40, 64), np.float16), randn(rng, (178, 64), np.float16), randn(rng, (178, 128), np.float16)
     mask = rng.random((40, 178)) < 0.8
