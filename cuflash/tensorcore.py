@@ -186,8 +186,8 @@ def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
 # 8 warps of one m16 tile; 16-key tiles where float32's and float64's products need the registers; smaller tiles
 # for large head dims on smaller shared memories.
 CANDIDATES = tuple(BlockConfig(br, bc, w, 2, "mma") for br, bc, w in (
-    (128, 128, 4), (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (64, 16, 4), (32, 32, 2), (16, 32, 1),
-    (16, 16, 1)))
+    (128, 128, 4), (128, 64, 4), (128, 32, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (64, 16, 4), (32, 32, 2),
+    (16, 32, 1), (16, 16, 1)))
 
 
 def candidates(shape: Shape) -> List[tuple]:
