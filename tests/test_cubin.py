@@ -71,7 +71,7 @@ def chosen(arch):
     device = GPUS[arch]
     pairs = [Workload(F16, d, d) for d in HEAD_DIMS] + [Workload(BF16, d, d) for d in (64, 128, 256)] + \
         [Workload(F32, d, d) for d in (64, 128, 192)] + \
-        [Workload(F32, d, d, precision="tf32") for d in (64, 256)] + [Workload(F64, d, d) for d in (32, 64, 128, 160)]
+        [Workload(F32, d, d, precision="tf32") for d in (64, 256)] + [Workload(F64, d, d) for d in (32, 64, 160)]
     pairs = [w for w in pairs if tiling.choose(w, device).variant == "mma"]  # A100's float64 at 160: CUDA cores
     return [(w, tiling.choose(w, device), False) for w in pairs] + \
         [(w, tiling.choose(w, device), True) for w in (Workload(F16, 64, 64), Workload(F16, 128, 128))]

@@ -185,7 +185,7 @@ __device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, co
                                               int ty, int tx) {
     using Columns = LaneColumns<T, C>;
     constexpr int VW = 16 / (int)sizeof(Acc), RY = Columns::R;
-#pragma unroll 2  // as in tile_product
+#pragma unroll 1
     for (int j = 0; j < count; j += VW) {
         Acc w_j[R][VW], p_j[R][VW];
 #pragma unroll
