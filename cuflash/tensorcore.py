@@ -106,10 +106,10 @@ def accumulator_words(shape: Shape, config: BlockConfig) -> int:
     their keys in parts, their share of S: the steady loop holds S whole, without their visibility and copies,
     and has room for STEADY_REGISTER_LIMIT words (past it, its own count, which the limit refuses)."""
     mt, acc = tiles_per_warp(config), max(1, shape.dtype.itemsize // 4)
-    steady = mt * (config.Bc // 2 + bucket(shape.e) // 2) * acc
-    if steady > STEADY_REGISTER_LIMIT:
-        return steady
-    words = mt * (config.Bc // key_parts(shape, config) // 2 + bucket(shape.e) // 2) * acc
+    s, o = mt * config.Bc // 2 * acc, mt * bucket(shape.e) // 2 * acc
+    if s + o > STEADY_REGISTER_LIMIT:
+        return s + o
+    words = s // key_parts(shape, config) + o
     if q_in_registers(shape, config):
         words += mt * bucket(shape.d) * shape.dtype.itemsize // 8
     return words
