@@ -202,13 +202,27 @@ def span_classes(code: Sequence[Instr], loop: Loop) -> Counter:
 def key_loop(code: Sequence[Instr], loops: Sequence[Loop]) -> Loop:
     """The key-tile loop: the top-level loop with the most tensor-core instructions, or FMA where none has any.
     Where several hold as many (a kernel that compiles its steady state's tiles in a loop of their own, apart from
-    the tiles that need masks or checks), the smallest: the others carry the cold paths."""
+    the tiles that need masks or checks), the smallest: the others carry the cold paths. Where all of that loop's
+    products and loads sit in one inner loop, the tiles run there (the hot loop), and the loop around it only
+    takes a rare path (the forward's rescale when a row's max grows): the inner loop is the key-tile loop."""
     spans = [(span_classes(code, lp), lp) for lp in loops]
     for cls in ("tensor", "fma"):
         most = max((s[0][cls] for s in spans), default=0)
         if most:
-            return min((lp for counts, lp in spans if counts[cls] == most), key=lambda lp: lp.end - lp.head)
+            loop = min((lp for counts, lp in spans if counts[cls] == most), key=lambda lp: lp.end - lp.head)
+            return _hot_loop(code, loop, cls)
     raise ValueError("no loop holds tensor-core or FMA instructions")
+
+
+def _hot_loop(code: Sequence[Instr], loop: Loop, cls: str) -> Loop:
+    def work(lp):
+        counts = span_classes(code, lp)
+        return counts[cls], counts["cp_async"] + counts["global"]
+
+    for child in loop.children:
+        if work(child) == work(loop) and work(child)[1]:
+            return _hot_loop(code, child, cls)
+    return loop
 
 
 def kind_of(code: Sequence[Instr], loop: Loop) -> str:

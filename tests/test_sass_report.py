@@ -215,6 +215,36 @@ def test_the_key_loop_is_the_smallest_of_those_with_the_most_products():
     assert code[sass_report.key_loop(code, loops).head].addr == 0x40
 
 
+# The forward's steady tiles: a hot loop [0x20, 0x40] holding a tile's loads and products, inside a loop [0x10, 0x50]
+# that only adds the rare rescale (when a row's max grows); then a loop [0x70, 0xb0] whose products sit in an
+# inner loop [0x80, 0x90] without its loads.
+HOT_AND_RARE = [
+    (0x00, "S2R R0, SR_TID.X"),
+    (0x10, "FMUL R12, R12, R30"),
+    (0x20, "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]"),
+    (0x30, "HMMA.16816.F32 R12, R16, R20, R12"),
+    (0x40, "@!P1 BRA 0x20"),
+    (0x50, "@P2 BRA 0x10"),
+    (0x60, "EXIT"),
+]
+PRODUCTS_APART = [
+    (0x70, "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]"),
+    (0x80, "HMMA.16816.F32 R12, R16, R20, R12"),
+    (0x90, "@P1 BRA 0x80"),
+    (0xa0, "FMUL R12, R12, R30"),
+    (0xb0, "@P2 BRA 0x70"),
+    (0xc0, "EXIT"),
+]
+
+
+def test_the_key_loop_is_the_hot_loop_inside_a_rare_path():
+    for snippet, key in ((HOT_AND_RARE, (0x20, 0x40)), (PRODUCTS_APART, (0x70, 0xb0))):
+        text = "\n".join(f"        /*{a:04x}*/{'':19}{ins} ;{'':20}/* 0x000fe20000000f00 */" for a, ins in snippet)
+        code = sass_report.parse(f"\tFunction : _Z6kernelv\n{text}\n")
+        loop = sass_report.key_loop(code, sass_report.find_loops(code))
+        assert (code[loop.head].addr, code[loop.end].addr) == key
+
+
 # The CUDA-core kernels' shape: a key-tile loop [0x10, 0xb0] whose loads are a load loop [0x20, 0x30] or two
 # unrolled 16-byte loads, and whose product is an inner FMA loop [0x80, 0xa0] either way (behind the guard that
 # skips a loop of no trips).

@@ -12,10 +12,11 @@
 //   O_i += P V_j      P in registers is the A operand (rounded to T for the 16-bit types), V_j the B operand.
 // K_j and V_j stream through Stages shared-memory buffers with cp.async: tile j + Stages - 1 is in flight while
 // tile j is computed. The epilogue stages O_i / l_i through shared memory so global stores are coalesced.
-// The steady state (full tiles that every row sees whole, without mask or bias) runs first, in a loop compiled
+// The steady state (full tiles that every row sees whole, without mask or bias) runs first, in a hot loop compiled
 // apart from the other tiles' (window edges, masks, biases, a short last tile): no run-time flags, no visibility,
-// addresses carried from tile to tile. Where S and O_i take most of the registers, the other tiles take their
-// keys in two parts (MmaShared::kParts), and the block's view of the launch waits in shared memory (Sweep).
+// addresses carried from tile to tile, and the rescale of O_i (when a row's max grows: rarely, after the first
+// tiles) out of it. Where S and O_i take most of the registers, the other tiles take their keys in two parts
+// (MmaShared::kParts), and the block's view of the launch waits in shared memory (Sweep).
 //
 // Semantics are the CUDA-core kernel's (forward.cuh): same arguments, visibility by selection, fully masked
 // rows give 0 and lse -inf. A hidden key whose value row holds inf or NaN must not reach a row through 0 * inf:
@@ -147,10 +148,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         K_load.zero_tail(K_s);
         V_load.zero_tail(V_s);
     }
-    auto load_kv = [&](int tile, int stage) {
+    auto load_kv = [&](int tile, int stage, int hop) {
         if (chunk_loads && tile >= plain.lo && tile < full_tiles) {
-            K_load.next(stage);
-            V_load.next(stage);
+            K_load.next(hop);
+            V_load.next(hop);
             return;
         }
         const long long j0 = keys.begin + (long long)tile * Bc;
@@ -169,7 +170,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     ptx::cp_async_commit();
 #pragma unroll
     for (int s = 0; s < Stages - 1; ++s) {
-        if (s < tiles) load_kv(tile_at(s), s);
+        if (s < tiles) load_kv(tile_at(s), s, 1);
         ptx::cp_async_commit();
     }
     ptx::cp_async_wait<Stages - 1>();
@@ -209,78 +210,135 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             for (int x = 0; x < 4; ++x) O_i[mt][et][x] = Acc(0);
     }
 
-    // Visit t of the sweep, in pipeline stage `stage`. Steady visits are plain tiles whose prefetch is a full
-    // tile for the chunk loaders: their loop is compiled apart (kSteady), without the run-time flags, visibility
-    // and careful P V of the other tiles.
-    auto key_tile = [&](const int t, const int stage, auto steady) {
-        constexpr bool kSteady = decltype(steady)::value;
-        const int tile = kSteady ? plain.lo + t : tile_at(t);
-        // Tile `tile` has landed for every thread, and every warp is done with the stage the next load reuses.
+    // A key tile's start (visit t, its stage in `ring`): the tile has landed for every thread, every warp is done
+    // with the stage the prefetch reuses, and the tile Stages - 1 visits on is on its way. Steady visits (plain
+    // tiles whose prefetch is a full tile for the chunk loaders) take the chunk loaders without asking.
+    auto begin_tile = [&](const int t, const mma::StageRing<Stages>& ring, auto steady) {
         ptx::cp_async_wait<Stages - 2>();
         __syncthreads();
-        if (kSteady) {
-            K_load.next(mma::previous_stage<Stages>(stage));
-            V_load.next(mma::previous_stage<Stages>(stage));
+        if (decltype(steady)::value) {
+            K_load.next(ring.hop_before());
+            V_load.next(ring.hop_before());
         } else if (t + Stages - 1 < tiles) {
-            load_kv(tile_at(t + Stages - 1), mma::previous_stage<Stages>(stage));
+            load_kv(tile_at(t + Stages - 1), ring.before(), ring.hop_before());
         }
         ptx::cp_async_commit();  // possibly empty: keeps the group count the wait above relies on
-        T* const V_stage = V_s + stage * Bc * Smem::LDV;
-        if (Math::kPrepare) {  // float: K_j and V_j split (or rounded) to TF32 once, for every warp
-            Math::template prepare<Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK, kLoBytes);
-            Math::template prepare<Bc, E, Smem::LDV, Threads>(V_stage, kLoBytes);
+        if (Math::kPrepare) {    // float: K_j and V_j split (or rounded) to TF32 once, for every warp
+            Math::template prepare<Bc, D, Smem::LDK, Threads>(K_s + ring.stage * Bc * Smem::LDK, kLoBytes);
+            Math::template prepare<Bc, E, Smem::LDV, Threads>(V_s + ring.stage * Bc * Smem::LDV, kLoBytes);
             __syncthreads();
         }
+    };
 
+    // S = Q_i K_j^T over the NP n8 tiles of keys from column c0 of the tile.
+    auto scores = [&](auto& S, const int c0) {
+        constexpr int NP = mma::N8Tiles<decltype(S)>::value;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NP; ++nt)
+#pragma unroll
+                for (int x = 0; x < 4; ++x) S[mt][nt][x] = Acc(0);
+#pragma unroll(Math::kUnrollSteps)
+        for (int kk = 0; kk < KD; ++kk) {
+            typename Math::AFrag a[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (kQRegs)
+                    a[mt] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0];
+                else
+                    Math::template load_a<Smem::LDQ>(a[mt], Q_lane, 16 * mt, Math::kStep * kk, kLoBytes);
+            }
+#pragma unroll
+            for (int np = 0; np < NP / 2; ++np) {
+                typename Math::BFrag bk;
+                Math::template load_b<Smem::LDK>(bk, K_j, c0 + 16 * np, Math::kStep * kk, kLoBytes);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Math::mma(S[mt][2 * np], a[mt], bk, 0);
+                    Math::mma(S[mt][2 * np + 1], a[mt], bk, 1);
+                }
+            }
+        }
+    };
+
+    // The online softmax's row max: a row whose max grew (S times S_scale, in the log2 domain) moves m_i there, its
+    // old max kept in m_old; whether any row of the warp moved.
+    auto move_max = [&](const auto& S, const Acc S_scale, auto& m_old) {  // m_old: Acc[MT][2]
+        constexpr int NP = mma::N8Tiles<decltype(S)>::value;
+        bool any_moved = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                Acc tile_max = max_(S[mt][0][2 * h], S[mt][0][2 * h + 1]);
+#pragma unroll
+                for (int nt = 1; nt < NP; ++nt)
+                    tile_max = max_(tile_max, max_(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
+                const Acc m_new = mma::quad_max(tile_max) * S_scale;
+                const bool moved = m_new > m_i[mt][h];  // never for -inf (hidden) scores
+                any_moved |= moved;
+                m_old[mt][h] = m_i[mt][h];
+                m_i[mt][h] = moved ? m_new : m_i[mt][h];
+            }
+        return __any_sync(0xffffffffu, any_moved);
+    };
+    // l_i and O_i follow m_i: rescaled by alpha = exp2(m_old - m_i), exactly 1 for the rows whose max stayed.
+    auto rescale = [&](const Acc (&m_old)[MT][2]) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const Acc alpha = mma::exp2_fast(m_old[mt][h] - m_i[mt][h]);
+                l_i[mt][h] *= alpha;
+#pragma unroll
+                for (int et = 0; et < ET; ++et)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) O_i[mt][et][2 * h + x] *= alpha;
+            }
+    };
+    // P = exp2(S S_scale - m_i) in place, and its row sums into l_i (this lane's share: the quad's lanes add up at
+    // the end).
+    auto probabilities = [&](auto& S, const Acc S_scale) {
+        constexpr int NP = mma::N8Tiles<decltype(S)>::value;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int nt = 0; nt < NP; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const Acc p = mma::exp2_fast(mma::fma_(S[mt][nt][2 * h + x], S_scale, -m_i[mt][h]));
+                        S[mt][nt][2 * h + x] = p;
+                        l_i[mt][h] += p;
+                    }
+    };
+
+    // The other tiles (visit t): window edges, masks, biases, a short last tile. Their keys come in Parts parts of
+    // Bp (Smem::kParts), each a step of the online softmax. Scale, bias and visibility apply in the log2 domain;
+    // hidden keys become -inf by selection, and their bits are kept for the rare CUDA-core P V. Only partial tiles
+    // and a bias pay per element.
+    auto other_tile = [&](const int t, const mma::StageRing<Stages>& ring) {
+        const int tile = tile_at(t);
+        begin_tile(t, ring, mma::Steady<false>{});
+        T* const V_stage = V_s + ring.stage * Bc * Smem::LDV;
         // Tile-wide: whether the tile is plain, its keys, and whether a hidden key's value row holds inf or NaN
         // (a hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look, and then P V runs on CUDA
         // cores with hidden keys skipped).
-        const bool plain_tile = kSteady || (tile >= plain.lo && tile < plain.hi);
+        const bool plain_tile = tile >= plain.lo && tile < plain.hi;
         const Acc S_scale = plain_tile ? scale_log2 : Acc(1);  // what takes S to the log2 domain
         const long long j0 = keys.begin + (long long)tile * Bc;
         const int cols = plain_tile ? Bc : (int)min_ll(Bc, keys.end - j0);
         const bool partial = !plain_tile && tile_is_partial(ops, j0, cols, Bc, left, right);
-        const bool careful = !kSteady && partial &&
-                             __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(V_stage, cols));
-
-        // The other tiles take their keys in Parts parts of Bp (Smem::kParts), each a step of the online softmax.
-        constexpr int Parts = kSteady ? 1 : Smem::kParts, Bp = Bc / Parts, NP = Bp / 8;
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(V_stage, cols));
+        constexpr int Parts = Smem::kParts, Bp = Bc / Parts, NP = Bp / 8;
 #pragma unroll 1
         for (int part = 0; part < Parts; ++part) {
             const int c0 = part * Bp;  // the part's first column in the tile
             if (c0 >= cols) break;
-            // S_ij = Q_i K_j^T over the part's keys.
             Acc S[MT][NP][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NP; ++nt)
-#pragma unroll
-                    for (int x = 0; x < 4; ++x) S[mt][nt][x] = Acc(0);
-#pragma unroll(Math::kUnrollSteps)
-            for (int kk = 0; kk < KD; ++kk) {
-                typename Math::AFrag a[MT];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (kQRegs)
-                        a[mt] = Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0];
-                    else
-                        Math::template load_a<Smem::LDQ>(a[mt], Q_lane, 16 * mt, Math::kStep * kk, kLoBytes);
-                }
-#pragma unroll
-                for (int np = 0; np < NP / 2; ++np) {
-                    typename Math::BFrag bk;
-                    Math::template load_b<Smem::LDK>(bk, K_j, c0 + 16 * np, Math::kStep * kk, kLoBytes);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        Math::mma(S[mt][2 * np], a[mt], bk, 0);
-                        Math::mma(S[mt][2 * np + 1], a[mt], bk, 1);
-                    }
-                }
-            }
-
-            // Other tiles: scale, bias and visibility in the log2 domain; hidden keys become -inf by selection, and
-            // their bits are kept for the rare CUDA-core P V. Only partial tiles and a bias pay per element.
+            scores(S, c0);
             unsigned hidden[MT][2] = {};
             const int part_cols = min(cols - c0, Bp);
             if (!plain_tile) {
@@ -310,66 +368,49 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                             }
                     }
             }
-
-            // Online softmax: a row whose max grew moves m_i there, and its l_i and O_i are rescaled by
-            // alpha = exp2(m_old - m_new). After the first tiles a row's running max rarely grows: the rescale runs
-            // only when some row of the warp moved, and the other tiles skip it (as if rescaling by exactly 1).
             Acc m_old[MT][2];
-            bool any_moved = false;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    Acc tile_max = max_(S[mt][0][2 * h], S[mt][0][2 * h + 1]);
-#pragma unroll
-                    for (int nt = 1; nt < NP; ++nt)
-                        tile_max = max_(tile_max, max_(S[mt][nt][2 * h], S[mt][nt][2 * h + 1]));
-                    const Acc m_new = mma::quad_max(tile_max) * S_scale;
-                    const bool moved = m_new > m_i[mt][h];  // never for -inf (hidden) scores
-                    any_moved |= moved;
-                    m_old[mt][h] = m_i[mt][h];
-                    m_i[mt][h] = moved ? m_new : m_i[mt][h];
-                }
-            if (__any_sync(0xffffffffu, any_moved)) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const bool moved = m_i[mt][h] != m_old[mt][h];
-                        const Acc alpha = moved ? mma::exp2_fast(m_old[mt][h] - m_i[mt][h]) : Acc(1);
-                        l_i[mt][h] *= alpha;
-#pragma unroll
-                        for (int et = 0; et < ET; ++et)
-#pragma unroll
-                            for (int x = 0; x < 2; ++x) O_i[mt][et][2 * h + x] *= alpha;
-                    }
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int nt = 0; nt < NP; ++nt)
-#pragma unroll
-                        for (int x = 0; x < 2; ++x) {
-                            const Acc p = mma::exp2_fast(mma::fma_(S[mt][nt][2 * h + x], S_scale, -m_i[mt][h]));
-                            S[mt][nt][2 * h + x] = p;
-                            l_i[mt][h] += p;  // this lane's share: the quad's lanes add up at the end
-                        }
-
-            if (!careful) {  // O_i += P_ij V_j, P in registers
+            if (move_max(S, S_scale, m_old)) rescale(m_old);
+            probabilities(S, S_scale);
+            if (!careful)  // O_i += P_ij V_j, P in registers
                 Math::template pv<Smem::LDV, MT, NP, ET>(O_i, S, V_j + c0 * Smem::LDV * (int)sizeof(T), kLoBytes);
-            } else {
+            else
                 mma::pv_by_selection<T, Bp, E, MT, Smem::LDV>(O_i, S, hidden, P_s + warp * 16 * Smem::LDP,
                                                               V_stage + c0 * Smem::LDV, kLoBytes, part_cols, lane);
+        }
+        K_j = K_j + ring.hop * (int)Smem::k_stage;
+        V_j = V_j + ring.hop * (int)Smem::v_stage;
+    };
+
+    // The steady tiles come first, in the hot loop: P and P V of a tile, then the next tile's scores and row max.
+    // Only when a row's max grows, which after the first tiles is rare, does the loop leave to rescale l_i and O_i
+    // (rescale), and come back: the rescale stays out of the hot loop.
+    int t = 0;
+    mma::StageRing<Stages> ring;
+    if (sweep.steady > 0) {
+        Acc S[MT][NT][4], m_old[MT][2];
+        begin_tile(t, ring, mma::Steady<true>{});
+        scores(S, 0);
+        K_j = K_j + ring.hop * (int)Smem::k_stage;
+        ++t;
+        move_max(S, scale_log2, m_old);
+        for (;;) {
+            rescale(m_old);  // the first time, O_i and l_i are still 0
+            for (;;) {       // the hot loop
+                probabilities(S, scale_log2);
+                Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j, kLoBytes);
+                V_j = V_j + ring.hop * (int)Smem::v_stage;
+                ring.advance();
+                if (t == sweep.steady) goto steady_done;
+                begin_tile(t, ring, mma::Steady<true>{});
+                scores(S, 0);
+                K_j = K_j + ring.hop * (int)Smem::k_stage;
+                ++t;
+                if (move_max(S, scale_log2, m_old)) break;
             }
         }
-        K_j = mma::next_stage<Stages, (int)Smem::k_stage>(K_j, stage);
-        V_j = mma::next_stage<Stages, (int)Smem::v_stage>(V_j, stage);
-    };
-    int t = 0, stage = 0;
-    for (; t < sweep.steady; ++t, stage = mma::next_stage<Stages>(stage)) key_tile(t, stage, mma::Steady<true>{});
-    for (; t < tiles; ++t, stage = mma::next_stage<Stages>(stage)) key_tile(t, stage, mma::Steady<false>{});
+    }
+steady_done:
+    for (; t < tiles; ++t, ring.advance()) other_tile(t, ring);
     ptx::cp_async_wait<0>();
     __syncthreads();  // every warp is done with Q_s (and P_s): O_s takes their place
 

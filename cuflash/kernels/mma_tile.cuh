@@ -95,18 +95,26 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
     }
 }
 
-// A ring of Stages shared-memory stages: the one after `stage`, and the one before it (where the tile Stages - 1
-// on is loaded); an address in stage `stage` moved to the same place in the next stage, Bytes apart. Carried from
-// tile to tile, the ldmatrix addresses are never recomputed from the thread's index.
-template <int Stages> __device__ __forceinline__ int next_stage(int stage) {
-    return stage == Stages - 1 ? 0 : stage + 1;
-}
-template <int Stages, int Bytes, typename Addr> __device__ __forceinline__ Addr next_stage(Addr at, int stage) {
-    return at + (stage == Stages - 1 ? -(Stages - 1) * Bytes : Bytes);
-}
-template <int Stages> __device__ __forceinline__ int previous_stage(int stage) {
-    return stage == 0 ? Stages - 1 : stage - 1;
-}
+// A ring of Stages shared-memory stages, walked tile by tile: `stage` is the computed tile's, `hop` the stages from
+// it to the next one (1, or 1 - Stages from the last), and the prefetch goes to the stage before it. An address
+// moves to the same place in the next stage by hop * its stage's bytes: carried from tile to tile, the ldmatrix and
+// cp.async addresses are never recomputed from the thread's index. With two stages a hop only flips its sign.
+template <int Stages> struct StageRing {
+    int stage = 0, hop = Stages > 1 ? 1 : 0;
+    __device__ __forceinline__ int before() const { return stage == 0 ? Stages - 1 : stage - 1; }
+    __device__ __forceinline__ int hop_before() const {
+        return Stages == 2 ? -hop : stage == 0 ? 1 - Stages : 1;
+    }
+    __device__ __forceinline__ void advance() {
+        stage = stage == Stages - 1 ? 0 : stage + 1;
+        hop = Stages == 2 ? -hop : stage == Stages - 1 ? 1 - Stages : 1;
+    }
+};
+
+// The n8 tiles of an accumulator array S[MT][NT][4] (or a reference to one): NT.
+template <typename A> struct N8Tiles;
+template <typename A> struct N8Tiles<A&> : N8Tiles<A> {};
+template <typename Acc, int MT, int NT> struct N8Tiles<Acc[MT][NT][4]> { static constexpr int value = NT; };
 
 // A compile-time flag passed to a generic lambda (the forward's key tile: steady or not).
 template <bool V> struct Steady { static constexpr bool value = V; };
@@ -150,16 +158,16 @@ struct ChunkLoader {
             for (int s = 0; s < PerThread; ++s)
                 *reinterpret_cast<Chunk16*>(tile + st * Rows * LD + (r + s * Step) * LD + c) = Chunk16{};
     }
-    // The next tile's chunks into its stage, `stage` (tiles in order, their stages in turn), as cp.async copies
-    // (they land at the covering wait).
-    __device__ __forceinline__ void next(int stage = 0) {
+    // The next tile's chunks into their stage as cp.async copies (they land at the covering wait); `hop`: the
+    // stages from there to the following tile's (StageRing).
+    __device__ __forceinline__ void next(int hop = 0) {
         if (active) {
 #pragma unroll
             for (int s = 0; s < PerThread; ++s)
                 ptx::cp_async_cg16_whole(dst + s * kStepBytes, src + (long long)step * s);
         }
         src += (long long)step * PerThread;
-        dst = next_stage<Stages, kStageBytes>(dst, stage);
+        dst = dst + hop * kStageBytes;
     }
 };
 
