@@ -86,6 +86,21 @@ def test_steady_loop_with_three_stages(dtype):
         assert_accurate(out, q, k, v, lse=lse, causal=causal)
 
 
+@pytest.mark.parametrize("dtype", [F16, np.dtype(np.float32)])
+def test_hot_loop_leaves_to_rescale_when_a_later_tile_holds_the_max(dtype):
+    """The steady tiles' hot loop rescales O_i and l_i only when a row's max grows: scores that grow with every
+    key tile (every tile moves the max), and small scores with one large one in the eighth tile of twelve."""
+    rng = np.random.default_rng(21)
+    q = np.abs(randn(rng, (1, 16, 32), dtype))
+    growing = (np.linspace(0.0, 1.0, 200)[:, None] * np.abs(randn(rng, (200, 32), np.float64))).astype(dtype)
+    spike = randn(rng, (200, 32), dtype, 0.1)
+    spike[120] = 1
+    v = randn(rng, (1, 200, 32), dtype)
+    for k in (growing[None], spike[None]):
+        out, lse = cuflash.attention(q, k, v, backend="simt", block=BlockConfig.mma(16, 16, 1), return_lse=True)
+        assert_accurate(out, q, k, v, lse=lse)
+
+
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
 def test_native_head_dims(d):
     """Each bucket once, with a window straddling tiles, a key tail and rows past n in the last tile."""
