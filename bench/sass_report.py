@@ -827,8 +827,8 @@ def table(rows: Sequence[dict]) -> str:
 
 HEADER = """Estimates read statically from SASS, not measurements. Per warp and per key tile (the backward: per swept
 tile) of each kernel's steady state: full tiles, no mask or bias, inner loops weighted by their trip counts.
-instr: the cheapest path through the key-tile loop; span: every instruction compiled inside it (cold paths too);
-per mma|fma and span/op: each per tensor-core instruction (HMMA, DMMA) or FMA.
+instr: the cheapest path through the key-tile loop (where the steady tiles run: the forward's hot loop, without
+the rare rescale around it); span: every instruction compiled inside it (cold paths too); per mma|fma and span/op: each per tensor-core instruction (HMMA, DMMA) or FMA.
 bound: the resource with the most clocks per tile (issue, tensor, fma, shared, mufu) with one block per SM;
 TFLOP/s: the upper bound that gives at the boost clock, from documented per-SM rates (--json has them all)."""
 
@@ -836,7 +836,8 @@ METHOD = {
     "compile": "NVRTC with CuPy's flags (" + " ".join(CUPY_FLAGS) + "); SASS by cuobjdump",
     "loop": "the key-tile loop is the outermost loop (backward branch) holding the most tensor-core (else FMA) "
             "instructions; where several hold as many (a kernel that compiles its steady state's tiles in a loop of "
-            "their own), the smallest",
+            "their own), the smallest; and where all of its products and loads sit in one inner loop (the forward's "
+            "hot loop, which leaves only to rescale when a row's max grows), that inner loop",
     "path": "the steady state's tile: the cheapest path from the loop's head through its back edge, each inner loop "
             "an iteration's cheapest path times its trip count; it passes every tensor-core instruction and one copy "
             "of every load and CUDA-core product loop, and avoids the other (cold) loops where it can; or, where a "
