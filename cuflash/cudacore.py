@@ -18,11 +18,12 @@ ACC_REGISTER_LIMIT = 96  # accumulator words per thread (S, O) above which ptxas
 ACC_REGISTER_TARGET = 64  # what the heuristic allows itself, leaving room for addresses and staging
 MAX_TILE = 256
 
+STAGES = (2, 1)  # K/V double-buffered through cp.async (compute capability 8.0+, d within the head tile), or not
 # Preference order: large tiles with a few rows per thread first, then smaller tiles for large head dims or small
-# shared memories.
-CANDIDATES = tuple(BlockConfig(br, bc, w) for br, bc, w in (
+# shared memories; each with two stages first, where they fit.
+CANDIDATES = tuple(BlockConfig(br, bc, w, stages) for br, bc, w in (
     (64, 64, 4), (64, 64, 8), (32, 64, 4), (32, 64, 8), (32, 32, 4), (32, 32, 8), (16, 64, 8), (16, 32, 8),
-    (16, 16, 8), (8, 32, 4), (8, 16, 4), (4, 16, 2)))
+    (16, 16, 8), (8, 32, 4), (8, 16, 4), (4, 16, 2)) for stages in STAGES)
 
 
 def bucket(size: int) -> int:
@@ -44,8 +45,8 @@ def buckets(shape: Shape, config: BlockConfig) -> Tuple[int, int]:
 
 def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     """Dynamic shared memory of one block: the Q, K, V tiles in the element type (Q and K rows padded by 16 bytes,
-    to an odd number of 16-byte chunks) and P in the accumulator type (rows padded to 64 bytes past a multiple
-    of 128); each region 16-byte aligned. Mirrors ForwardShared."""
+    to an odd number of 16-byte chunks; K and V once per stage) and P in the accumulator type (rows padded to 64
+    bytes past a multiple of 128); each region 16-byte aligned. Mirrors ForwardShared."""
     item = shape.dtype.itemsize
     acc = acc_dtype_of(shape.dtype).itemsize
     D, E = buckets(shape, config)
@@ -53,7 +54,7 @@ def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
     k = align16(item * config.Bc * D + 16 * config.Bc)
     v = align16(item * config.Bc * E)
     p = align16(acc * config.Br * config.Bc + config.Br * ((64 - acc * config.Bc % 128) % 128))
-    return q + k + v + p
+    return q + config.stages * (k + v) + p
 
 
 def accumulator_words(shape: Shape, config: BlockConfig) -> int:
@@ -90,20 +91,22 @@ def config_reasons(shape: Shape, config: BlockConfig) -> List[str]:
         allowed = ", ".join(str(b) for b in HEAD_DIM_BUCKETS if b <= largest)
         reasons.append(f"head_tile={config.head_tile} is not supported for {shape.dtype.name}: use one of "
                        f"{allowed}, or None")
+    D = buckets(shape, config)[0]
+    if config.stages == 2 and shape.d > D:
+        reasons.append(f"stages=2 double-buffers whole K tiles: d={shape.d} is swept in slices of the {D}-wide head "
+                       f"tile, which take stages=1")
     return reasons
 
 
 def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
-    """fwd<T, Br, Bc, D, E, Warps[, Sliced[, Split]]>: Sliced (d swept in D-wide slices) and Split default to
-    false and are spelled out only as far as needed."""
+    """fwd<T, Br, Bc, D, E, Warps[, Sliced[, Split[, Stages]]]>: Sliced (d swept in D-wide slices) and Split
+    default to false, Stages to 1, and are spelled out only as far as needed."""
     D, E = buckets(shape, config)
     sliced = shape.d > D
     args = [C_TYPES[shape.dtype.name], config.Br, config.Bc, D, E, config.warps]
-    if sliced or split:
-        args.append("true" if sliced else "false")
-    if split:
-        args.append("true")
-    return args
+    optional = ["true" if sliced else "false", "true" if split else "false", config.stages]
+    needed = 3 if config.stages != 1 else 2 if split else 1 if sliced else 0
+    return args + optional[:needed]
 
 
 def candidates(shape: Shape) -> List[Tuple[BlockConfig, ...]]:
@@ -121,7 +124,7 @@ FORWARD = Family(
     registers_estimate=registers_estimate, template_args=template_args,
     column_width=lambda shape, config: buckets(shape, config)[1], candidates=candidates,
     register_target=ACC_REGISTER_TARGET, register_limit=ACC_REGISTER_LIMIT,
-    register_advice="use a smaller Br or more warps")
+    register_advice="use a smaller Br or more warps", stages=STAGES)
 
 
 # ----------------------------------------------------------------------------------------------------------------

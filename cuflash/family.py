@@ -81,8 +81,9 @@ class Shape:
 class BlockConfig:
     """Tile sizes of a forward kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
 
-    variant names the family: "fma" is the CUDA-core kernel (any dtype; no load pipeline, stages=1); "mma" the
-    tensor-core kernel for float16/bfloat16 on compute capability 8.0+ (stages 2 or 3: BlockConfig.mma).
+    variant names the family: "fma" is the CUDA-core kernel (any dtype; stages=1, or 2 to double-buffer K and V
+    through cp.async on compute capability 8.0+); "mma" the tensor-core kernel on compute capability 8.0+ (stages
+    2 or 3: BlockConfig.mma).
 
     head_tile ("fma" only): the widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d
     past it is swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256
@@ -111,7 +112,7 @@ class BlockConfig:
     def __str__(self):
         if self.variant != "fma":
             return f"({self.Br}, {self.Bc}, warps={self.warps}, stages={self.stages}, {self.variant})"
-        extra = "" if (self.warps, self.stages) == (4, 1) else f", warps={self.warps}" + (
+        extra = ("" if self.warps == 4 else f", warps={self.warps}") + (
             "" if self.stages == 1 else f", stages={self.stages}")
         if self.head_tile is not None:
             extra += f", head_tile={self.head_tile}"
@@ -220,7 +221,7 @@ class Family:
         reasons = self.config_reasons(shape, config)
         if config.stages not in self.stages:
             pipeline = ("has no load pipeline (stages=1)" if self.stages == (1,) else
-                        f"pipelines K/V in {' or '.join(map(str, self.stages))} stages")
+                        f"pipelines K/V in {' or '.join(map(str, sorted(self.stages)))} stages")
             reasons.append(f"stages={config.stages} is not supported: the {self.title} kernel {pipeline}")
         return reasons
 
@@ -233,6 +234,9 @@ class Family:
         if smem > device.smem_per_block:
             reasons.append(f"{what} needs {fmt_bytes(smem)} of shared memory; {device.name} allows "
                            f"{fmt_bytes(device.smem_per_block)} per block")
+        if config.stages > 1 and tuple(device.compute_capability) < (8, 0):
+            reasons.append(f"stages={config.stages} pipelines K/V with cp.async, which needs compute capability 8.0 "
+                           f"or newer; {device.name} has {device.arch}: use stages=1")
         words, limit = self.accumulator_words(shape, config), self.register_bounds(shape)[1]
         if words > limit:
             reasons.append(f"{what} keeps {words} accumulator registers per thread, more than the "
@@ -258,9 +262,11 @@ class Family:
         return None
 
     def with_warps(self, br: int, bc: int, shape: Shape, device: DeviceLimits) -> Optional[BlockConfig]:
-        """(Br, Bc) in this family with the first warp count that runs it (4, 8, 2, 1), or None."""
+        """(Br, Bc) in this family with the first warp count that runs it (4, 8, 2, 1), each with the family's
+        stages in order of preference, or None."""
         for warps in WARP_PREFERENCE:
-            config = BlockConfig(br, bc, warps, self.stages[0], self.variant)
-            if self.runs(shape, config, device):
-                return config
+            for stages in self.stages:
+                config = BlockConfig(br, bc, warps, stages, self.variant)
+                if self.runs(shape, config, device):
+                    return config
         return None

@@ -136,7 +136,7 @@ def resolve(block, shape: Shape, device: DeviceLimits, kind: str = "forward") ->
         family = variants[block]
         config = family.first_fit(shape, device)
         if config is None:
-            probe = BlockConfig(64, 64, 4, family.stages[0], family.variant)
+            probe = BlockConfig(64, 64, 4, min(family.stages), family.variant)
             reasons = family.not_supported_reasons(shape, probe, device) or [
                 f"no {family.title} configuration fits {shape}"]
             raise ValueError(f"attention: block {block!r} cannot run here: " + "; ".join(reasons))

@@ -27,12 +27,13 @@ def test_shared_memory_layout_equals_the_model():
     expected = {}
     for dtype in FLOATS:
         for d, e in ((1, 1), (59, 3), (64, 64), (111, 256), (256, 128), (512, 512)):
-            for config in (tiling.BlockConfig(64, 64), tiling.BlockConfig(16, 48, 8), tiling.BlockConfig(4, 16, 2)):
+            for config in (tiling.BlockConfig(64, 64), tiling.BlockConfig(16, 48, 8), tiling.BlockConfig(4, 16, 2),
+                           tiling.BlockConfig(32, 16, 2, stages=2)):
                 w = Shape(dtype, d, e)
                 if d > cudacore.MAX_BUCKET[dtype.name]:
                     continue
                 ctype = C_TYPES[dtype.name]
-                args = f"{ctype}, {config.Br}, {config.Bc}, {cudacore.bucket(d)}, {cudacore.bucket(e)}"
+                args = f"{ctype}, {config.Br}, {config.Bc}, {cudacore.bucket(d)}, {cudacore.bucket(e)}, {config.stages}"
                 expected[args] = tiling.shared_memory_bytes(w, config)
     nvrtc.check_shared_layout(cudacore.FORWARD, expected)
 

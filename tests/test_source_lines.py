@@ -79,7 +79,7 @@ MISUSE_PROBE = '''
 extern "C" __global__ void misuse_probe(const __half* g, float* out, int which) {
   if (which == 0 && threadIdx.x < 16) out[threadIdx.x] = cuflash::mma::quad_max(1.f);  // half a warp
   if (which == 1)  // a "shared" tile in global memory
-    cuflash::mma::load_tile_async<__half, 16, 16, 32>(reinterpret_cast<__half*>(out), g, 16, 1, 16, 16, true);
+    cuflash::load_tile_async<__half, 16, 16, 24, 32>(reinterpret_cast<__half*>(out), g, 16, 1, 16, 16, true);
 }
 '''
 
@@ -92,7 +92,7 @@ def misuse_probe():
 @pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
 @pytest.mark.parametrize("which,file,text,words", [
     (0, "mma_tile.cuh", "x = max_(x, __shfl_xor_sync(0xffffffffu, x, 1));", "lanes 0-15 wait at __shfl_xor_sync"),
-    (1, "mma_tile.cuh", "ptx::cp_async_cg16(to, from, valid * (int)sizeof(T));", "is not 16 bytes of this block's"),
+    (1, "tile.cuh", "ptx::cp_async_cg16(to, from, valid * (int)sizeof(T));", "is not 16 bytes of this block's"),
 ])
 def test_emulator_messages_name_the_true_file_and_line_of_a_kernel_helper(misuse_probe, which, file, text, words):
     g, out = np.zeros(16 * 16, np.float16), np.zeros(32 * 16, np.float32)

@@ -57,7 +57,7 @@ def test_heuristic_choices_on_known_gpus():
     """CUDA-core choices (float32/float64 with precision="fma", float64 past the tensor cores' head dims; float16
     on a T4, which has no sm_80 tensor-core path)."""
     h100, a100, t4 = (DeviceLimits.known(g) for g in ("H100", "A100", "T4"))
-    assert choose(Workload(F32, 64, 64, precision="fma"), h100) == BlockConfig(64, 64, 4)
+    assert choose(Workload(F32, 64, 64, precision="fma"), h100) == BlockConfig(64, 64, 4, stages=2)
     assert choose(Workload(F32, 128, 128, precision="fma"), a100) == BlockConfig(64, 64, 8)
     assert choose(Workload(F32, 128, 128), t4) == BlockConfig(32, 32, 4)  # (32, 64) needs 88.5 KiB
     assert choose(Workload(F16, 128, 128), t4) == BlockConfig(32, 64, 4)  # (64, 64, warps=8) needs 64.8 KiB
@@ -76,17 +76,35 @@ def test_block_for_h100_refused_on_a100_with_the_right_sentence():
 
 def test_reasons_name_every_problem():
     device = DeviceLimits.known("T4")
-    reasons = not_supported_reasons(Workload(F16, 64, 64), BlockConfig(7, 5, warps=1, stages=2), device)
+    reasons = not_supported_reasons(Workload(F16, 64, 64), BlockConfig(7, 5, warps=1, stages=3), device)
     assert len(reasons) == 3
     assert "Br=7 is not supported with 1 warps: Br must be a multiple of 2" in reasons[0]
     assert "Bc=5 is not supported" in reasons[1]
-    assert reasons[2].startswith("stages=2 is not supported") and reasons[2].endswith("; (64, 64) fits")
+    assert reasons[2] == ("stages=3 is not supported: the CUDA-core kernel pipelines K/V in 1 or 2 stages; "
+                          "(64, 64) fits")
     (reason,) = not_supported_reasons(Workload(F32, 16, 256), BlockConfig(128, 16, warps=2), DeviceLimits.known("H100"))
     assert "keeps 544 accumulator registers per thread" in reason
     # d past the largest float16 bucket is swept in slices of 256: the tiles are sized for 256 (+ padding)
     (reason,) = not_supported_reasons(Workload(F16, 300, 64), BlockConfig(64, 64), device)
     assert reason.startswith("block (64, 64) for d=300, e=64 float16 needs 94 KiB of shared memory")
     assert not_supported_reasons(Workload(F16, 300, 64), BlockConfig(64, 64), DeviceLimits.known("A100")) == []
+
+
+def test_two_stages_where_cp_async_and_shared_memory_allow():
+    """The CUDA-core kernel double-buffers K and V (stages=2) where the GPU has cp.async (8.0+), the doubled
+    tiles fit and d is within the head tile; otherwise one stage, the tiles unchanged."""
+    h100, a100, t4 = (DeviceLimits.known(g) for g in ("H100", "A100", "T4"))
+    assert choose(Workload(F32, 128, 128, precision="fma"), h100) == BlockConfig(64, 64, 8, stages=2)
+    assert choose(Workload(F32, 128, 128, precision="fma"), a100) == BlockConfig(64, 64, 8)  # 2 stages: 184 KiB
+    assert choose(Workload(F16, 64, 64), t4) == BlockConfig(64, 64, 4)
+    (reason,) = not_supported_reasons(Workload(F16, 64, 64), BlockConfig(64, 64, 4, stages=2), t4)
+    assert reason == ("stages=2 pipelines K/V with cp.async, which needs compute capability 8.0 or newer; Tesla T4 has "
+                      "sm_75: use stages=1; (64, 64) fits")
+    (reason,) = not_supported_reasons(Workload(F16, 300, 64), BlockConfig(32, 32, 4, stages=2), a100)
+    assert reason == ("stages=2 double-buffers whole K tiles: d=300 is swept in slices of the 256-wide head tile, "
+                      "which take stages=1; (64, 64) fits")
+    assert tiling.shared_memory_bytes(Workload(F32, 64, 64), BlockConfig(64, 64, 4, stages=2)) == \
+        tiling.shared_memory_bytes(Workload(F32, 64, 64), BlockConfig(64, 64, 4)) + 64 * (68 + 64) * 4
 
 
 def test_head_tiles():
@@ -115,7 +133,7 @@ def test_key_splits_and_the_decoding_choice():
 
     one_query = problem(1, 32768, 16)
     config = choose(one_query, h100)
-    assert config == BlockConfig(8, 32, 4)  # the CUDA-core kernel, 8-row tiles, not the tensor cores
+    assert config == BlockConfig(8, 32, 4, stages=2)  # the CUDA-core kernel, 8-row tiles, not the tensor cores
     assert tiling.key_splits(one_query, config, h100) == 8  # 16 blocks -> 128: one wave on 132 SMs
     assert tiling.key_splits(problem(1, 1500, 16), config, h100) == 2  # each split at least 512 keys
     assert tiling.key_splits(problem(1, 1000, 16), config, h100) == 1
@@ -134,9 +152,10 @@ def test_resolve_tuple_and_config():
     device = DeviceLimits.known("A100")
     w = Workload(F32, 64, 64, precision="fma")
     assert tiling.resolve(None, w, device) == choose(w, device)
-    assert tiling.resolve((32, 32), w, device) == BlockConfig(32, 32, 4)
-    assert tiling.resolve((128, 64), w, device) == BlockConfig(128, 64, 8)  # 4 warps would hold 128 registers
-    assert tiling.resolve((4, 16), w, device) == BlockConfig(4, 16, 2)  # Br=4 needs fewer row groups
+    assert tiling.resolve((32, 32), w, device) == BlockConfig(32, 32, 4, stages=2)  # two stages where they run
+    assert tiling.resolve((128, 64), w, device) == BlockConfig(128, 64, 8, 2)  # 4 warps would hold 128 registers
+    assert tiling.resolve((4, 16), w, device) == BlockConfig(4, 16, 2, 2)  # Br=4 needs fewer row groups
+    assert tiling.resolve((32, 32), w, DeviceLimits.known("T4")) == BlockConfig(32, 32, 4)
     for bad in ((0, 16), (16,), "64x64", (16.0, 16)):
         with pytest.raises(ValueError):
             tiling.resolve(bad, w, device)

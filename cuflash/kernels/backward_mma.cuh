@@ -177,10 +177,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
     float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
     unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
 
-    mma::load_tile_async<T, Bc, D, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
-                                            (int)d, flags & kVectorK);
-    mma::load_tile_async<T, Bc, E, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
-                                            (int)e, flags & kVectorV);
+    load_tile_async<T, Bc, D, Smem::LDD, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
+                                                  (int)d, flags & kVectorK);
+    load_tile_async<T, Bc, E, Smem::LDE, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
+                                                  (int)e, flags & kVectorV);
     ptx::cp_async_commit();
 
     // Full query tiles of 16-byte rows come through each thread's chunk loaders (tiles in order), others (a short
@@ -208,10 +208,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
             Q_load.next();
             dO_load.next();
         } else {
-            mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
-                                                    rows, (int)d, flags & kVectorQ);
-            mma::load_tile_async<T, Br, E, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
-                                                    gdo.col, rows, (int)e, flags & kVectorDout);
+            load_tile_async<T, Br, D, Smem::LDD, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row,
+                                                          ops.q.col, rows, (int)d, flags & kVectorQ);
+            load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
+                                                          gdo.col, rows, (int)e, flags & kVectorDout);
         }
         ptx::cp_async_commit();
         load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
@@ -296,10 +296,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
     unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
 
-    mma::load_tile_async<T, Br, D, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
-                                            (int)d, flags & kVectorQ);
-    mma::load_tile_async<T, Br, E, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col, rows,
-                                            (int)e, flags & kVectorDout);
+    load_tile_async<T, Br, D, Smem::LDD, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
+                                                  (int)d, flags & kVectorQ);
+    load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
+                                                  rows, (int)e, flags & kVectorDout);
     ptx::cp_async_commit();
     load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
 
@@ -325,10 +325,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
             K_load.next();
             V_load.next();
         } else {
-            mma::load_tile_async<T, Bc, D, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
-                                                    cols, (int)d, flags & kVectorK);
-            mma::load_tile_async<T, Bc, E, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
-                                                    cols, (int)e, flags & kVectorV);
+            load_tile_async<T, Bc, D, Smem::LDD, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row,
+                                                          ops.k.col, cols, (int)d, flags & kVectorK);
+            load_tile_async<T, Bc, E, Smem::LDE, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
+                                                          ops.v.col, cols, (int)e, flags & kVectorV);
         }
         ptx::cp_async_commit();
         ptx::cp_async_wait<0>();

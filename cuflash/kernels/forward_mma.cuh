@@ -156,16 +156,16 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         }
         const long long j0 = keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, keys.end - j0);
-        mma::load_tile_async<T, Bc, D, Threads, Smem::LDK>(K_s + stage * Bc * Smem::LDK,
+        load_tile_async<T, Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK,
                                                            k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row,
                                                            ops.k.col, cols, (int)d, flags & kVectorK);
-        mma::load_tile_async<T, Bc, E, Threads, Smem::LDV>(V_s + stage * Bc * Smem::LDV,
+        load_tile_async<T, Bc, E, Smem::LDV, Threads>(V_s + stage * Bc * Smem::LDV,
                                                            v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
                                                            ops.v.col, cols, (int)e, flags & kVectorV);
     };
 
     // Q_i is the first cp.async group, the first Stages - 1 key tiles the next ones.
-    mma::load_tile_async<T, Br, D, Threads, Smem::LDQ>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row,
+    load_tile_async<T, Br, D, Smem::LDQ, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row,
                                                        ops.q.col, rows, (int)d, flags & kVectorQ);
     ptx::cp_async_commit();
 #pragma unroll

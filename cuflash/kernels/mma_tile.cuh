@@ -69,32 +69,6 @@ __device__ __forceinline__ bool chunk_nonfinite(const Chunk16& c, double) {  // 
     return (c.word[1] & 0x7ff00000u) == 0x7ff00000u || (c.word[3] & 0x7ff00000u) == 0x7ff00000u;
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Tile loads: Rows x Cols elements of a global matrix into a padded shared tile, zero outside rows x cols.
-// vector: 16-byte cp.async copies, zero-filled past the tails (the launch checked unit column stride and
-// 16-byte alignment); they land at the cp_async_wait covering the caller's commit. Otherwise (strided or
-// misaligned views) plain element loads, in shared memory at once.
-
-template <typename T, int Rows, int Cols, int Threads, int LD = Padded<Cols, T>::ld>
-__device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long row_stride, long long col_stride,
-                                                int rows, int cols, bool vector) {
-    constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
-    for (int idx = threadIdx.x; idx < Rows * ChunksPerRow; idx += Threads) {
-        const int r = idx / ChunksPerRow, c = (idx % ChunksPerRow) * kChunk;
-        T* to = dst + r * LD + c;
-        if (vector) {
-            const int valid = r < rows ? (cols - c < 0 ? 0 : (cols - c > kChunk ? kChunk : cols - c)) : 0;
-            const T* from = valid ? src + r * row_stride + c : src;  // nothing is read when valid == 0
-            ptx::cp_async_cg16(to, from, valid * (int)sizeof(T));
-        } else {
-            const T zero = from_acc<T>(0.0f);
-#pragma unroll
-            for (int x = 0; x < kChunk; ++x)
-                to[x] = (r < rows && c + x < cols) ? src[r * row_stride + (c + x) * col_stride] : zero;
-        }
-    }
-}
-
 // A ring of Stages shared-memory stages, walked tile by tile: `stage` is the computed tile's, `hop` the stages from
 // it to the next one (1, or 1 - Stages from the last), and the prefetch goes to the stage before it. An address
 // moves to the same place in the next stage by hop * its stage's bytes: carried from tile to tile, the ldmatrix and

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "ptx.cuh"
 
 namespace cuflash {
 
@@ -258,6 +259,30 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
         for (int idx = threadIdx.x; idx < Rows * Cols; idx += Threads) {
             const int r = idx / Cols, c = idx % Cols;
             dst[r * LD + c] = (r < rows && c < cols) ? src[r * row_stride + c * col_stride] : zero;
+        }
+    }
+}
+
+// The same as cp.async copies (compute capability 8.0 and newer) where `vector`: 16-byte chunks, zero-filled past
+// the tails, that land at the cp_async_wait covering the caller's commit; otherwise (strided or misaligned views)
+// plain element loads, in shared memory at once. Rows of LD elements start 16-byte aligned.
+template <typename T, int Rows, int Cols, int LD, int Threads>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long row_stride, long long col_stride,
+                                                int rows, int cols, bool vector) {
+    constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
+    static_assert(Cols % kChunk == 0 && LD * sizeof(T) % 16 == 0, "16-byte chunks into 16-byte aligned rows");
+    for (int idx = threadIdx.x; idx < Rows * ChunksPerRow; idx += Threads) {
+        const int r = idx / ChunksPerRow, c = (idx % ChunksPerRow) * kChunk;
+        T* to = dst + r * LD + c;
+        if (vector) {
+            const int valid = r < rows ? (cols - c < 0 ? 0 : (cols - c > kChunk ? kChunk : cols - c)) : 0;
+            const T* from = valid ? src + r * row_stride + c : src;  // nothing is read when valid == 0
+            ptx::cp_async_cg16(to, from, valid * (int)sizeof(T));
+        } else {
+            const T zero = from_acc<T>(0.0f);
+#pragma unroll
+            for (int x = 0; x < kChunk; ++x)
+                to[x] = (r < rows && c + x < cols) ? src[r * row_stride + (c + x) * col_stride] : zero;
         }
     }
 }
