@@ -92,7 +92,8 @@ def misuse_probe():
 @pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
 @pytest.mark.parametrize("which,file,text,words", [
     (0, "mma_tile.cuh", "x = max_(x, __shfl_xor_sync(0xffffffffu, x, 1));", "lanes 0-15 wait at __shfl_xor_sync"),
-    (1, "tile.cuh", "ptx::cp_async_cg16(to, from, valid * (int)sizeof(T));", "is not 16 bytes of this block's"),
+    (1, "tile.cuh", "ptx::cp_async_cg16(dst + r * LD + c, from, valid * (int)sizeof(T));",
+     "is not 16 bytes of this block's"),
 ])
 def test_emulator_messages_name_the_true_file_and_line_of_a_kernel_helper(misuse_probe, which, file, text, words):
     g, out = np.zeros(16 * 16, np.float16), np.zeros(32 * 16, np.float32)

@@ -90,12 +90,12 @@ fwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     // Two stages: K_j and V_j of tile j + 1 are copied (cp.async) into the other stage while tile j is computed.
     const auto load_kv_async = [&](long long j0, int stage) {
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        load_tile_async<T, Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK,
-                                                      k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
-                                                      cols, (int)d, flags & kVectorK);
-        load_tile_async<T, Bc, E, Smem::LDV, Threads>(V_s + stage * Bc * Smem::LDV,
-                                                      v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
-                                                      cols, (int)e, flags & kVectorV);
+        load_tile_async<T, Bc, D, Smem::LDK, Threads, true>(K_s + stage * Bc * Smem::LDK,
+                                                            k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row,
+                                                            ops.k.col, cols, (int)d, flags & kVectorK);
+        load_tile_async<T, Bc, E, Smem::LDV, Threads, true>(V_s + stage * Bc * Smem::LDV,
+                                                            v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
+                                                            ops.v.col, cols, (int)e, flags & kVectorV);
         ptx::cp_async_commit();
     };
     if constexpr (Stages == 2)
