@@ -181,6 +181,13 @@ MUTANTS = (
     m("fma-multiply-by-zero", "cuflash/kernels/forward.cuh",
       [("(hidden[a] >> c & 1u) ? hidden_p<Acc>() : p", "p")], [FMA, FMA_NAN],
       "hidden keys weighted by exp2(-inf) = 0 instead of skipped: 0 * inf = NaN leaks"),
+    m("fma-prefetch-into-the-tile-in-use", "cuflash/kernels/forward.cuh",
+      [("load_kv_async(j0 + Bc, stage ^ 1);", "load_kv_async(j0 + Bc, stage);")], [FMA],
+      "two stages: the next tile's K and V copied over the tile being computed"),
+    m("fma-no-cp-async-wait", "cuflash/kernels/forward.cuh",
+      [("            ptx::cp_async_wait<0>();\n            __syncthreads();  // tile j has landed",
+        "            __syncthreads();  // tile j has landed")], [FMA],
+      "two stages: the barrier does not wait for the tile's copies to land"),
     # ---- the CUDA-core backward kernels
     m("bwd-no-delta-kernels", "cuflash/kernels/backward.cuh",
       [("ds = visible ? p * (dP - delta_i) : A(0);", "ds = visible ? p * dP : A(0);")], [BWD_SIMT],

@@ -523,7 +523,7 @@ def test_split_keys_for_decoding(cupy):
     case = _case((F16,) * 3, ((2, 2, 1, 64), (2, 1, 1500, 64), (2, 1, 1500, 64)), {"causal": True})
     check_case(case, backend="cupy", to_device=cupy.asarray)
     name, grid, *_ = _State.launches[-1]
-    assert name == "cuflash::fwd<__half, 8, 32, 64, 64, 4, false, true>" and grid[0] == 2  # 2 splits x 1 tile
+    assert name == "cuflash::fwd<__half, 8, 32, 64, 64, 4, false, true, 2>" and grid[0] == 2  # 2 splits x 1 tile
 
 
 def test_mask_bias_window_and_grouped_query_heads(cupy):
