@@ -802,6 +802,12 @@ COLUMNS = (("gpu", "<5"), ("dtype", "<8"), ("d", ">4"), ("kernel", "<29"), ("reg
            ("TFLOP/s", ">7"))
 
 
+def block_barriers(row: dict) -> int:
+    """BAR instructions on a row's path: the block's barriers (the barrier class also holds cp.async's commits
+    and waits, DEPBAR and LDGDEPBAR, which hold up one thread, not the block)."""
+    return sum(n for op, n in row["opcodes"].items() if op.split(".")[0] == "BAR")
+
+
 def table(rows: Sequence[dict]) -> str:
     def line(values):
         return " ".join(format("-" if v is None else v, spec) for v, (_, spec) in zip(values, COLUMNS)).rstrip()
@@ -821,14 +827,15 @@ def table(rows: Sequence[dict]) -> str:
                            t["instructions"], r["span"]["instructions"], per, span_per,
                            fixed(r["ldmatrix_per_mma"]) if tensor else None,
                            None if tensor else fixed(r["shared_loads_per_fma"]), t["cp_async"], t["mufu"],
-                           t["barrier"], t["branch"], t["local"], r.get("bound"), fixed(r.get("tflops"), 1))))
+                           block_barriers(r), t["branch"], t["local"], r.get("bound"), fixed(r.get("tflops"), 1))))
     return "\n".join(lines)
 
 
 HEADER = """Estimates read statically from SASS, not measurements. Per warp and per key tile (the backward: per swept
 tile) of each kernel's steady state: full tiles, no mask or bias, inner loops weighted by their trip counts.
 instr: the cheapest path through the key-tile loop (where the steady tiles run: the forward's hot loop, without
-the rare rescale around it); span: every instruction compiled inside it (cold paths too); per mma|fma and span/op: each per tensor-core instruction (HMMA, DMMA) or FMA.
+the rare rescale around it); span: every instruction compiled inside it (cold paths too); per mma|fma and
+span/op: each per tensor-core instruction (HMMA, DMMA) or FMA; bar: block barriers (BAR) on the path.
 bound: the resource with the most clocks per tile (issue, tensor, fma, shared, mufu) with one block per SM;
 TFLOP/s: the upper bound that gives at the boost clock, from documented per-SM rates (--json has them all)."""
 
