@@ -214,11 +214,13 @@ FORWARD = Family(
 # ----------------------------------------------------------------------------------------------------------------
 # The backward kernels (kernels/backward_mma.cuh): bwd_mma_dq and bwd_mma_dkdv, the tensor-core twins of
 # cudacore.BACKWARD_*, planned apart. Their gradients stay whole in float fragments, so head dims are at most
-# BACKWARD_MAX_HEAD_DIM (the CUDA-core backward takes larger ones). One load stage (stages=1).
+# BACKWARD_MAX_HEAD_DIM (the CUDA-core backward takes larger ones). bwd_mma_dq double-buffers its swept K_j and V_j
+# (stages=2, where they fit; else 1); bwd_mma_dkdv loads its swept Q_i and dO_i in one stage (stages=1).
 
 BACKWARD_MAX_HEAD_DIM = 128
 BACKWARD_REGISTER_TARGET = {"dq": 144, "dkdv": 120}  # dK/dV's kernel keeps two gradients: it spills past 120
 BACKWARD_REGISTER_LIMIT = 160
+BACKWARD_STAGES = {"dq": (2, 1), "dkdv": (1,)}
 
 
 def _backward_family(kind: str) -> Family:
@@ -238,12 +240,15 @@ def _backward_family(kind: str) -> Family:
         return reasons
 
     def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
-        """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk), two float row terms per query, and each warp's
-        scratch: 16 rows of the swept width + 1 floats and 16 x 4 words. Mirrors MmaBackwardShared."""
+        """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk; the swept ones once per stage), two float row
+        terms per query, and each warp's scratch: 16 rows of the swept width + 1 floats and 16 x 4 words. Mirrors
+        MmaBackwardShared."""
         D, E = bucket(shape.d), bucket(shape.e)
         swept = own_and_swept(config)[1]
-        tiles = sum(align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM)) for rows in (config.Br, config.Bc)
-                    for width in (D, E))
+        swept_tiles = "queries" if keys_own else "keys"  # Q_i and dO_i, or K_j and V_j: once per stage
+        tiles = sum((config.stages if tiles_of == swept_tiles else 1) *
+                    align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM))
+                    for tiles_of, rows in (("queries", config.Br), ("keys", config.Bc)) for width in (D, E))
         scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
         return tiles + align16(4 * 2 * config.Br) + scratch
 
@@ -271,7 +276,8 @@ def _backward_family(kind: str) -> Family:
         return reasons
 
     def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
-        return [C_TYPES[shape.dtype.name], config.Br, config.Bc, bucket(shape.d), bucket(shape.e), config.warps]
+        args = [C_TYPES[shape.dtype.name], config.Br, config.Bc, bucket(shape.d), bucket(shape.e), config.warps]
+        return args + ([config.stages] if config.stages != 1 else [])
 
     own_first = ((64, 4), (128, 8), (64, 8), (32, 2), (16, 1))  # (own rows, warps): one m16 tile per warp
     swept_sizes = (64, 32, 16)
@@ -281,7 +287,7 @@ def _backward_family(kind: str) -> Family:
         for swept in swept_sizes:
             for own, warps in own_first:
                 br, bc = (swept, own) if keys_own else (own, swept)
-                configs.append(BlockConfig(br, bc, warps, 1, "mma"))
+                configs += [BlockConfig(br, bc, warps, stages, "mma") for stages in BACKWARD_STAGES[kind]]
         return [configs]
 
     return Family(
@@ -292,7 +298,7 @@ def _backward_family(kind: str) -> Family:
         registers_estimate=lambda shape, config: min(255, (64 + accumulator_words(shape, config) + 7) // 8 * 8),
         template_args=template_args, column_width=lambda shape, config: max(1, shape.e), candidates=candidates,
         register_target=BACKWARD_REGISTER_TARGET[kind], register_limit=BACKWARD_REGISTER_LIMIT,
-        register_advice="use a smaller swept tile or more warps", stages=(1,), kind=kind,
+        register_advice="use a smaller swept tile or more warps", stages=BACKWARD_STAGES[kind], kind=kind,
         tiles_along="keys" if keys_own else "queries", operands=BACKWARD_OPERANDS,
         scalars=BACKWARD_SCALARS)
 

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cuflash
 import cuflash.simt
@@ -53,12 +54,13 @@ def test_matches_reference(case):
 
 
 @given(cases(dtypes=(np.float16, ml_dtypes.bfloat16), mixed_dtypes=False, lengths=(1, 5, 33, 70),
-             head_dims=(1, 8, 13, 32), max_batch_dims=1))
+             head_dims=(1, 8, 13, 32), max_batch_dims=1), st.sampled_from([(16, 16), SMALL_MMA]))
 @settings(max_examples=30)
-def test_tensor_core_kernels_match_reference(case):
-    """The same properties on the tensor-core backward (one warp, 16 x 16 tiles: many tiles each way)."""
+def test_tensor_core_kernels_match_reference(case, block):
+    """The same properties on the tensor-core backward (one warp, 16 x 16 tiles: many tiles each way); (16, 16)
+    as a pair takes dQ's kernel with two stages (the next key tile's copies in flight), SMALL_MMA with one."""
     options = options_of(case)
-    dout, grads = backward(case.q, case.k, case.v, block=SMALL_MMA, bias_grad=options.get("bias") is not None,
+    dout, grads = backward(case.q, case.k, case.v, block=block, bias_grad=options.get("bias") is not None,
                            **options)
     assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
 

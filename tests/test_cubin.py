@@ -224,7 +224,8 @@ def test_backward_shared_memory_model_matches_the_kernel():
         for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16)):
             for d, e in ((32, 32), (64, 59), (128, 100)):
                 for config in family.candidates(Workload(dtype, d, e))[0][:6]:
-                    args = ", ".join(map(str, family.template_args(Workload(dtype, d, e), config, False)))
-                    layouts[f"{args}, {'true' if family.kind == 'dkdv' else 'false'}"] = \
+                    args = ", ".join(map(str, family.template_args(Workload(dtype, d, e), config, False)[:6]))
+                    keys_own = "true" if family.kind == "dkdv" else "false"
+                    layouts[f"{args}, {keys_own}, {config.stages}"] = \
                         family.shared_memory_bytes(Workload(dtype, d, e), config)
         nvrtc.check_shared_layout(family, layouts)

@@ -27,16 +27,18 @@ namespace cuflash {
 
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
 // query tile's lse shift and D_i, and each warp's scratch for the rare CUDA-core product (16 rows of the swept
-// tile's width + 1 floats, and 16 x 4 words of hidden bits). KeysOwn: bwd_mma_dkdv's layout.
-template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn>
+// tile's width + 1 floats, and 16 x 4 words of hidden bits). KeysOwn: bwd_mma_dkdv's layout. Stages: buffers of
+// the swept tiles (bwd_mma_dq's K_j and V_j; one each for bwd_mma_dkdv).
+template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn, int Stages = 1>
 struct MmaBackwardShared {
     static constexpr int LDD = mma::Padded<D>::ld, LDE = mma::Padded<E>::ld;
     static constexpr int Swept = KeysOwn ? Br : Bc, LDW = Swept + 1;
+    static constexpr int QStages = KeysOwn ? Stages : 1, KStages = KeysOwn ? 1 : Stages;
     static constexpr size_t q_offset = 0;
-    static constexpr size_t do_offset = q_offset + align16(sizeof(T) * Br * LDD);
-    static constexpr size_t k_offset = do_offset + align16(sizeof(T) * Br * LDE);
-    static constexpr size_t v_offset = k_offset + align16(sizeof(T) * Bc * LDD);
-    static constexpr size_t rows_offset = v_offset + align16(sizeof(T) * Bc * LDE);
+    static constexpr size_t do_offset = q_offset + QStages * align16(sizeof(T) * Br * LDD);
+    static constexpr size_t k_offset = do_offset + QStages * align16(sizeof(T) * Br * LDE);
+    static constexpr size_t v_offset = k_offset + KStages * align16(sizeof(T) * Bc * LDD);
+    static constexpr size_t rows_offset = v_offset + KStages * align16(sizeof(T) * Bc * LDE);
     static constexpr size_t w_offset = rows_offset + align16(sizeof(float) * 2 * Br);
     static constexpr size_t h_offset = w_offset + align16(sizeof(float) * Warps * 16 * LDW);
     static constexpr size_t bytes = h_offset + align16(sizeof(unsigned) * Warps * 16 * 4);
@@ -268,13 +270,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                                 e, lane);
 }
 
-template <typename T, int Br, int Bc, int D, int E, int Warps>
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
 __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PARAMS) {
-    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false>;
+    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false, Stages>;
     constexpr int Threads = Warps * 32, MT = Br / (16 * Warps), NT = Bc / 8, DT = D / 8;
     static_assert(MT >= 1 && Br == 16 * MT * Warps, "Br must be 16 x Warps x (m16 tiles per warp)");
     static_assert(Bc % 16 == 0 && Bc <= 128, "Bc must be a multiple of 16 up to 128");
     static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
+    static_assert(Stages == 1 || Stages == 2, "K_j and V_j in one stage, or two (the next tile's in flight)");
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
@@ -305,8 +308,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
 
     // Full key tiles of 16-byte rows come through each thread's chunk loaders (tiles in order), others (a short
     // last tile, strided views) through the general copy.
-    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, 1>;
-    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, 1>;
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
     const bool chunk_loads = KLoader::usable(ops.k.row) && VLoader::usable(ops.v.row) && (flags & kVectorK) &&
                              (flags & kVectorV) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
     KLoader K_load(k + ops.base.of[kK] + ops.keys.begin * ops.k.row, ops.k.row, (int)d, K_s);
@@ -316,27 +319,42 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
         V_load.zero_tail(V_s);
     }
 
-    float dQ[MT][DT][4];
-    mma::zero(dQ);
-    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc) {
+    // Key tile j0's K_j and V_j into stage `stage`, the chunk loaders' next stage `hop` stages on (StageRing).
+    const auto load_kv = [&](long long j0, int stage, int hop) {
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        __syncthreads();  // every warp is done with the previous tile's K_j and V_j
         if (chunk_loads && cols == Bc) {
-            K_load.next();
-            V_load.next();
+            K_load.next(hop);
+            V_load.next(hop);
         } else {
-            load_tile_async<T, Bc, D, Smem::LDD, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row,
-                                                          ops.k.col, cols, (int)d, flags & kVectorK);
-            load_tile_async<T, Bc, E, Smem::LDE, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
-                                                          ops.v.col, cols, (int)e, flags & kVectorV);
+            load_tile_async<T, Bc, D, Smem::LDD, Threads>(K_s + stage * Bc * Smem::LDD, k + ops.base.of[kK] +
+                                                          j0 * ops.k.row, ops.k.row, ops.k.col, cols, (int)d,
+                                                          flags & kVectorK);
+            load_tile_async<T, Bc, E, Smem::LDE, Threads>(V_s + stage * Bc * Smem::LDE, v + ops.base.of[kV] +
+                                                          j0 * ops.v.row, ops.v.row, ops.v.col, cols, (int)e,
+                                                          flags & kVectorV);
         }
         ptx::cp_async_commit();
+    };
+
+    float dQ[MT][DT][4];
+    mma::zero(dQ);
+    mma::StageRing<Stages> ring;
+    if (Stages == 2 && ops.keys.begin < ops.keys.end) load_kv(ops.keys.begin, 0, 1);
+    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc, ring.advance()) {
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        if (Stages == 1) {
+            __syncthreads();  // every warp is done with the previous tile's K_j and V_j
+            load_kv(j0, 0, 0);
+        }
         ptx::cp_async_wait<0>();
-        __syncthreads();
+        __syncthreads();  // K_j and V_j have landed; with two stages, every warp is done with the previous tile's
+        if (Stages == 2 && j0 + Bc < ops.keys.end) load_kv(j0 + Bc, ring.before(), ring.hop_before());
+        const T* const K_j = K_s + ring.stage * Bc * Smem::LDD;
+        const T* const V_j = V_s + ring.stage * Bc * Smem::LDE;
 
         float P[MT][NT][4], dS[MT][NT][4];  // S and dP at first
-        mma::product_nk<T, MT, Bc, D>(P, Q_s, K_s, warp_row, lane);
-        mma::product_nk<T, MT, Bc, E>(dS, dO_s, V_s, warp_row, lane);
+        mma::product_nk<T, MT, Bc, D>(P, Q_s, K_j, warp_row, lane);
+        mma::product_nk<T, MT, Bc, E>(dS, dO_s, V_j, warp_row, lane);
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
         unsigned hidden[MT][2];
         auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
@@ -368,11 +386,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
             gradients(true);
         else
             gradients(false);
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(K_s, cols));
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(K_j, cols));
         if (!careful)
-            mma::product_kn<T, MT, Bc, D>(dQ, dS, K_s, lane);
+            mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
         else
-            mma::acc_by_selection<T, Bc, D, MT>(dQ, dS, hidden, W_w, H_w, K_s, cols, lane);
+            mma::acc_by_selection<T, Bc, D, MT>(dQ, dS, hidden, W_w, H_w, K_j, cols, lane);
     }
     ptx::cp_async_wait<0>();  // no key is visible: Q_i and dO_i were never waited for
     mma::store_fragments<MT, D>(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, warp_row, rows,
