@@ -214,13 +214,13 @@ FORWARD = Family(
 # ----------------------------------------------------------------------------------------------------------------
 # The backward kernels (kernels/backward_mma.cuh): bwd_mma_dq and bwd_mma_dkdv, the tensor-core twins of
 # cudacore.BACKWARD_*, planned apart. Their gradients stay whole in float fragments, so head dims are at most
-# BACKWARD_MAX_HEAD_DIM (the CUDA-core backward takes larger ones). bwd_mma_dq double-buffers its swept K_j and V_j
-# (stages=2, where they fit; else 1); bwd_mma_dkdv loads its swept Q_i and dO_i in one stage (stages=1).
+# BACKWARD_MAX_HEAD_DIM (the CUDA-core backward takes larger ones). Each double-buffers the tiles it sweeps (dQ's
+# K_j and V_j, dK dV's Q_i, dO_i and row terms) where they fit: stages=2, else 1.
 
 BACKWARD_MAX_HEAD_DIM = 128
 BACKWARD_REGISTER_TARGET = {"dq": 144, "dkdv": 120}  # dK/dV's kernel keeps two gradients: it spills past 120
 BACKWARD_REGISTER_LIMIT = 160
-BACKWARD_STAGES = {"dq": (2, 1), "dkdv": (1,)}
+BACKWARD_STAGES = {"dq": (2, 1), "dkdv": (2, 1)}
 
 
 def _backward_family(kind: str) -> Family:
@@ -240,9 +240,9 @@ def _backward_family(kind: str) -> Family:
         return reasons
 
     def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
-        """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk; the swept ones once per stage), two float row
-        terms per query, and each warp's scratch: 16 rows of the swept width + 1 floats and 16 x 4 words. Mirrors
-        MmaBackwardShared."""
+        """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk), two float row terms per query (the swept tiles
+        and those terms once per stage), and each warp's scratch: 16 rows of the swept width + 1 floats and 16 x 4
+        words. Mirrors MmaBackwardShared."""
         D, E = bucket(shape.d), bucket(shape.e)
         swept = own_and_swept(config)[1]
         swept_tiles = "queries" if keys_own else "keys"  # Q_i and dO_i, or K_j and V_j: once per stage
@@ -250,7 +250,7 @@ def _backward_family(kind: str) -> Family:
                     align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM))
                     for tiles_of, rows in (("queries", config.Br), ("keys", config.Bc)) for width in (D, E))
         scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
-        return tiles + align16(4 * 2 * config.Br) + scratch
+        return tiles + (config.stages if keys_own else 1) * align16(4 * 2 * config.Br) + scratch
 
     def accumulator_words(shape: Shape, config: BlockConfig) -> int:
         """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients."""

@@ -58,7 +58,7 @@ def test_matches_reference(case):
 @settings(max_examples=30)
 def test_tensor_core_kernels_match_reference(case, block):
     """The same properties on the tensor-core backward (one warp, 16 x 16 tiles: many tiles each way); (16, 16)
-    as a pair takes dQ's kernel with two stages (the next key tile's copies in flight), SMALL_MMA with one."""
+    as a pair takes both kernels with two stages (the next swept tile's copies in flight), SMALL_MMA one."""
     options = options_of(case)
     dout, grads = backward(case.q, case.k, case.v, block=block, bias_grad=options.get("bias") is not None,
                            **options)

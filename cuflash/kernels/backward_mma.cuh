@@ -28,7 +28,7 @@ namespace cuflash {
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
 // query tile's lse shift and D_i, and each warp's scratch for the rare CUDA-core product (16 rows of the swept
 // tile's width + 1 floats, and 16 x 4 words of hidden bits). KeysOwn: bwd_mma_dkdv's layout. Stages: buffers of
-// the swept tiles (bwd_mma_dq's K_j and V_j; one each for bwd_mma_dkdv).
+// the swept tiles (bwd_mma_dq's K_j and V_j; bwd_mma_dkdv's Q_i, dO_i and their row terms).
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn, int Stages = 1>
 struct MmaBackwardShared {
     static constexpr int LDD = mma::Padded<D>::ld, LDE = mma::Padded<E>::ld;
@@ -39,7 +39,7 @@ struct MmaBackwardShared {
     static constexpr size_t k_offset = do_offset + QStages * align16(sizeof(T) * Br * LDE);
     static constexpr size_t v_offset = k_offset + KStages * align16(sizeof(T) * Bc * LDD);
     static constexpr size_t rows_offset = v_offset + KStages * align16(sizeof(T) * Bc * LDE);
-    static constexpr size_t w_offset = rows_offset + align16(sizeof(float) * 2 * Br);
+    static constexpr size_t w_offset = rows_offset + QStages * align16(sizeof(float) * 2 * Br);
     static constexpr size_t h_offset = w_offset + align16(sizeof(float) * Warps * 16 * LDW);
     static constexpr size_t bytes = h_offset + align16(sizeof(unsigned) * Warps * 16 * 4);
 };
@@ -148,13 +148,14 @@ template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]
 
 }  // namespace mma
 
-template <typename T, int Br, int Bc, int D, int E, int Warps>
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
 __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_PARAMS) {
-    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, true>;
+    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, true, Stages>;
     constexpr int Threads = Warps * 32, MT = Bc / (16 * Warps), NT = Br / 8, DT = D / 8, ET = E / 8;
     static_assert(MT >= 1 && Bc == 16 * MT * Warps, "Bc must be 16 x Warps x (m16 tiles per warp)");
     static_assert(Br % 16 == 0 && Br <= 128, "Br must be a multiple of 16 up to 128");
     static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
+    static_assert(Stages == 1 || Stages == 2, "Q_i and dO_i in one stage, or two (the next tile's in flight)");
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
@@ -187,8 +188,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
 
     // Full query tiles of 16-byte rows come through each thread's chunk loaders (tiles in order), others (a short
     // last tile, strided views) through the general copy.
-    using QLoader = mma::ChunkLoader<T, Br, D, Threads, 1>;
-    using OLoader = mma::ChunkLoader<T, Br, E, Threads, 1>;
+    using QLoader = mma::ChunkLoader<T, Br, D, Threads, Stages>;
+    using OLoader = mma::ChunkLoader<T, Br, E, Threads, Stages>;
     const bool chunk_loads = QLoader::usable(ops.q.row) && OLoader::usable(gdo.row) && (flags & kVectorQ) &&
                              (flags & kVectorDout) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
     QLoader Q_load(q + ops.base.of[kQ] + queries.begin * ops.q.row, ops.q.row, (int)d, Q_s);
@@ -198,31 +199,50 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
         dO_load.zero_tail(dO_s);
     }
 
+    // Query tile i0's Q_i, dO_i and row terms into stage `stage`, the chunk loaders' next stage `hop` stages on
+    // (StageRing). The row terms are plain stores: they are seen after the barrier that starts the tile.
+    const auto load_queries = [&](long long i0, int stage, int hop) {
+        const int rows = (int)min_ll(Br, queries.end - i0);
+        if (chunk_loads && rows == Br) {
+            Q_load.next(hop);
+            dO_load.next(hop);
+        } else {
+            load_tile_async<T, Br, D, Smem::LDD, Threads>(Q_s + stage * Br * Smem::LDD, q + ops.base.of[kQ] +
+                                                          i0 * ops.q.row, ops.q.row, ops.q.col, rows, (int)d,
+                                                          flags & kVectorQ);
+            load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s + stage * Br * Smem::LDE, dout + ops.base.of[kDout] +
+                                                          i0 * gdo.row, gdo.row, gdo.col, rows, (int)e,
+                                                          flags & kVectorDout);
+        }
+        ptx::cp_async_commit();
+        load_row_terms<Br, Threads>(shift + stage * 2 * Br, delta_s + stage * 2 * Br, lse, delta, g, ops.base, i0,
+                                    rows);
+    };
+
     float dK[MT][DT][4], dV[MT][ET][4];
     mma::zero(dK);
     mma::zero(dV);
-    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br) {
+    mma::StageRing<Stages> ring;
+    if (Stages == 2 && queries.begin < queries.end) load_queries(queries.begin, 0, 1);
+    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br, ring.advance()) {
         const int rows = (int)min_ll(Br, queries.end - i0);
         ops.i0 = i0;
         ops.rows = rows;
-        __syncthreads();  // every warp is done with the previous tile's Q_i, dO_i and row terms
-        if (chunk_loads && rows == Br) {
-            Q_load.next();
-            dO_load.next();
-        } else {
-            load_tile_async<T, Br, D, Smem::LDD, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row,
-                                                          ops.q.col, rows, (int)d, flags & kVectorQ);
-            load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
-                                                          gdo.col, rows, (int)e, flags & kVectorDout);
+        if (Stages == 1) {
+            __syncthreads();  // every warp is done with the previous tile's Q_i, dO_i and row terms
+            load_queries(i0, 0, 0);
         }
-        ptx::cp_async_commit();
-        load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
         ptx::cp_async_wait<0>();
-        __syncthreads();
+        __syncthreads();  // Q_i, dO_i and row terms are in; with two stages, every warp is done with the last tile's
+        if (Stages == 2 && i0 + Br < queries.end) load_queries(i0 + Br, ring.before(), ring.hop_before());
+        const T* const Q_i = Q_s + ring.stage * Br * Smem::LDD;
+        const T* const dO_i = dO_s + ring.stage * Br * Smem::LDE;
+        const float* const shift_i = shift + ring.stage * 2 * Br;
+        const float* const delta_i = delta_s + ring.stage * 2 * Br;
 
         float P[MT][NT][4], dS[MT][NT][4];  // transposed: keys by row, queries by column; S and dP at first
-        mma::product_nk<T, MT, Br, D>(P, K_s, Q_s, warp_row, lane);
-        mma::product_nk<T, MT, Br, E>(dS, V_s, dO_s, warp_row, lane);
+        mma::product_nk<T, MT, Br, D>(P, K_s, Q_i, warp_row, lane);
+        mma::product_nk<T, MT, Br, E>(dS, V_s, dO_i, warp_row, lane);
         const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
         unsigned hidden[MT][2];
         auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
@@ -241,8 +261,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                             float& ds = dS[mt][nt][2 * h + x];
                             // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
                             if (plain)
-                                mma::plain_gradient(p, ds, shift[ii], delta_s[ii], scale_log2, p, ds);
-                            else if (!score_gradient(false, p, ds, shift[ii], delta_s[ii], scale_log2, ops, bias,
+                                mma::plain_gradient(p, ds, shift_i[ii], delta_i[ii], scale_log2, p, ds);
+                            else if (!score_gradient(false, p, ds, shift_i[ii], delta_i[ii], scale_log2, ops, bias,
                                                      mask, i0 + ii, j0 + r, r, keys, i0 + rows, left, right, partial,
                                                      p, ds))
                                 hidden[mt][h] |= 1u << (2 * nt + x);
@@ -253,14 +273,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
             gradients(true);
         else
             gradients(false);
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(Q_s, rows) ||
-                                                         mma::tile_nonfinite<T, E, Threads>(dO_s, rows));
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(Q_i, rows) ||
+                                                         mma::tile_nonfinite<T, E, Threads>(dO_i, rows));
         if (!careful) {
-            mma::product_kn<T, MT, Br, E>(dV, P, dO_s, lane);
-            mma::product_kn<T, MT, Br, D>(dK, dS, Q_s, lane);
+            mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
+            mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
         } else {
-            mma::acc_by_selection<T, Br, E, MT>(dV, P, hidden, W_w, H_w, dO_s, rows, lane);
-            mma::acc_by_selection<T, Br, D, MT>(dK, dS, hidden, W_w, H_w, Q_s, rows, lane);
+            mma::acc_by_selection<T, Br, E, MT>(dV, P, hidden, W_w, H_w, dO_i, rows, lane);
+            mma::acc_by_selection<T, Br, D, MT>(dK, dS, hidden, W_w, H_w, Q_i, rows, lane);
         }
     }
     ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
