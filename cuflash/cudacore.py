@@ -135,9 +135,9 @@ FORWARD = Family(
 BACKWARD_MAX_BUCKET = 256
 # (64, 32) before (32, 64): where 64 x 64 does not fit (float32 at d = 128 on an A100), 64 own rows keep 4 per
 # thread and the swept tile's 16-byte loads feed more FMAs (estimates: 1.45 instructions per FMA against 1.56).
-BACKWARD_CANDIDATES = tuple(BlockConfig(br, bc, w) for br, bc, w in (
+BACKWARD_CANDIDATES = tuple(BlockConfig(br, bc, w, stages) for br, bc, w in (
     (64, 64, 8), (64, 64, 4), (64, 32, 8), (32, 64, 8), (32, 32, 4), (32, 32, 8), (16, 32, 8), (32, 16, 8),
-    (16, 16, 8), (16, 16, 4), (16, 16, 2)))
+    (16, 16, 8), (16, 16, 4), (16, 16, 2)) for stages in STAGES)
 
 
 def backward_buckets(shape: Shape, config: BlockConfig) -> Tuple[int, int]:
@@ -163,13 +163,16 @@ def _backward_family(kind: str) -> Family:
     def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
         """Q and dO of the query tile, K and V of the key tile (rows padded by 16 bytes, as the forward's Q and K),
         P and dS over (own rows) x (swept columns, rows padded to 64 bytes past a multiple of 128) and two row terms
-        per query in the accumulator type; each region 16-byte aligned. Mirrors BackwardShared."""
+        per query in the accumulator type (the swept tiles, and for dK dV the row terms, once per stage); each
+        region 16-byte aligned. Mirrors BackwardShared."""
         item, acc = shape.dtype.itemsize, acc_dtype_of(shape.dtype).itemsize
         D, E = backward_buckets(shape, config)
         own, swept = own_and_swept(config)
-        tiles = sum(align16(item * rows * width + 16 * rows) for rows in (config.Br, config.Bc) for width in (D, E))
+        q_stages, k_stages = (config.stages, 1) if keys_own else (1, config.stages)
+        tiles = sum(stages * align16(item * rows * width + 16 * rows)
+                    for stages, rows in ((q_stages, config.Br), (k_stages, config.Bc)) for width in (D, E))
         p = align16(acc * own * swept + own * ((64 - acc * swept % 128) % 128))
-        return tiles + 2 * p + align16(acc * 2 * config.Br)
+        return tiles + 2 * p + q_stages * align16(acc * 2 * config.Br)
 
     def accumulator_words(shape: Shape, config: BlockConfig) -> int:
         """Per thread: S and dP over its rows x swept columns, and the block's gradients (dQ; or dK and dV)."""
@@ -198,7 +201,8 @@ def _backward_family(kind: str) -> Family:
 
     def template_args(shape: Shape, config: BlockConfig, split: bool) -> list:
         D, E = backward_buckets(shape, config)
-        return [C_TYPES[shape.dtype.name], config.Br, config.Bc, D, E, config.warps]
+        args = [C_TYPES[shape.dtype.name], config.Br, config.Bc, D, E, config.warps]
+        return args + ([config.stages] if config.stages != 1 else [])
 
     return Family(
         variant="fma", title=f"CUDA-core backward {kind}", template=f"cuflash::bwd_{kind}", source="backward.cuh",
@@ -207,7 +211,7 @@ def _backward_family(kind: str) -> Family:
         registers_estimate=lambda shape, config: min(255, (48 + 2 * accumulator_words(shape, config) + 7) // 8 * 8),
         template_args=template_args, column_width=lambda shape, config: max(1, shape.e),
         candidates=lambda shape: [BACKWARD_CANDIDATES], register_target=ACC_REGISTER_TARGET,
-        register_limit=ACC_REGISTER_LIMIT, register_advice="use smaller tiles or more warps", kind=kind,
+        register_limit=ACC_REGISTER_LIMIT, register_advice="use smaller tiles or more warps", stages=STAGES, kind=kind,
         tiles_along="keys" if keys_own else "queries", operands=BACKWARD_OPERANDS, scalars=BACKWARD_SCALARS)
 
 

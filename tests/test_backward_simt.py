@@ -43,12 +43,14 @@ def backward(q, k, v, dout=None, seed=0, block=None, bias_grad=False, **options)
     return dout, grads
 
 
-@given(cases(lengths=(1, 5, 33, 70), head_dims=(1, 8, 13), max_batch_dims=1))
+@given(cases(lengths=(1, 5, 33, 70), head_dims=(1, 8, 13), max_batch_dims=1),
+       st.sampled_from([SMALL, BlockConfig(16, 16, 2, stages=2)]))
 @settings(max_examples=40)
-def test_matches_reference(case):
-    """Tails of both tiles, windows, masks, biases (with -inf), broadcast and strided views, hidden NaN and inf."""
+def test_matches_reference(case, block):
+    """Tails of both tiles, windows, masks, biases (with -inf), broadcast and strided views, hidden NaN and inf;
+    the swept tiles in one stage and in two (the next one's copies in flight)."""
     options = options_of(case)
-    dout, grads = backward(case.q, case.k, case.v, block=SMALL, bias_grad=options.get("bias") is not None,
+    dout, grads = backward(case.q, case.k, case.v, block=block, bias_grad=options.get("bias") is not None,
                            **options)
     assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
 

@@ -45,9 +45,10 @@ def test_backward_shared_memory_layout_equals_the_model():
         for dtype in FLOATS:
             for d, e in ((1, 1), (59, 3), (64, 64), (111, 256)):
                 for config in (tiling.BlockConfig(64, 64, 8), tiling.BlockConfig(16, 48, 8),
-                               tiling.BlockConfig(32, 16, 2)):
+                               tiling.BlockConfig(32, 16, 2), tiling.BlockConfig(16, 32, 2, stages=2)):
                     args = ", ".join(map(str, family.template_args(Shape(dtype, d, e), config, False)[:5]))
-                    expected[f"{args}, {'true' if family.kind == 'dkdv' else 'false'}"] = \
+                    keys_own = "true" if family.kind == "dkdv" else "false"
+                    expected[f"{args}, {keys_own}, {config.stages}"] = \
                         family.shared_memory_bytes(Shape(dtype, d, e), config)
         nvrtc.check_shared_layout(family, expected)
 

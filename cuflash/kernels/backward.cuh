@@ -30,33 +30,41 @@ namespace cuflash {
 // by 16 bytes to an odd number of 16-byte chunks, as the forward's Q and K: each is read in chunks of 16 rows by a
 // tile product), P and dS over (own rows) x (swept columns) in the accumulator type (pitch 64 bytes past a multiple
 // of 128, as the forward's P), and the query tile's lse shift and D_i. KeysOwn: bwd_dkdv's layout (own rows are
-// keys). cuflash/cudacore.py's backward shared-memory model mirrors this layout exactly.
-template <typename T, int Br, int Bc, int D, int E, bool KeysOwn>
+// keys). Stages: buffers of the swept tiles (bwd_dq's K and V; bwd_dkdv's Q, dO and row terms), each stage's size
+// a multiple of 16 bytes. cuflash/cudacore.py's backward shared-memory model mirrors this layout exactly.
+template <typename T, int Br, int Bc, int D, int E, bool KeysOwn, int Stages = 1>
 struct BackwardShared {
     using Acc = typename AccOf<T>::type;
     static constexpr int LDD = D + chunk_pad<T>(), LDE = E + chunk_pad<T>();
-    static constexpr int Queries = Br, Rows = KeysOwn ? Bc : Br, Swept = KeysOwn ? Br : Bc;
+    static constexpr int Queries = Br, Keys = Bc, Rows = KeysOwn ? Bc : Br, Swept = KeysOwn ? Br : Bc;
     static constexpr int LDP = Swept + half_line_pad<Acc>(Swept);
+    static constexpr int QStages = KeysOwn ? Stages : 1, KStages = KeysOwn ? 1 : Stages;
     static constexpr size_t q_offset = 0;
-    static constexpr size_t do_offset = q_offset + align16(sizeof(T) * Br * LDD);
-    static constexpr size_t k_offset = do_offset + align16(sizeof(T) * Br * LDE);
-    static constexpr size_t v_offset = k_offset + align16(sizeof(T) * Bc * LDD);
-    static constexpr size_t p_offset = v_offset + align16(sizeof(T) * Bc * LDE);
+    static constexpr size_t do_offset = q_offset + QStages * align16(sizeof(T) * Br * LDD);
+    static constexpr size_t k_offset = do_offset + QStages * align16(sizeof(T) * Br * LDE);
+    static constexpr size_t v_offset = k_offset + KStages * align16(sizeof(T) * Bc * LDD);
+    static constexpr size_t p_offset = v_offset + KStages * align16(sizeof(T) * Bc * LDE);
     static constexpr size_t ds_offset = p_offset + align16(sizeof(Acc) * Rows * LDP);
     static constexpr size_t rows_offset = ds_offset + align16(sizeof(Acc) * Rows * LDP);
-    static constexpr size_t bytes = rows_offset + align16(sizeof(Acc) * 2 * Br);
+    static constexpr size_t bytes = rows_offset + QStages * align16(sizeof(Acc) * 2 * Br);
 };
 
-// The shared tiles of one backward block, by name.
+// The shared tiles of one backward block, by name, the swept ones (Q, dO and the row terms of bwd_dkdv; K and V of
+// bwd_dq) those of pipeline stage `stage`.
 template <typename T, typename Smem> struct BackwardTiles {
     using Acc = typename AccOf<T>::type;
     T *Q, *dO, *K, *V;
     Acc *P, *dS, *shift, *delta;
-    __device__ __forceinline__ explicit BackwardTiles(unsigned char* smem)
-        : Q(reinterpret_cast<T*>(smem + Smem::q_offset)), dO(reinterpret_cast<T*>(smem + Smem::do_offset)),
-          K(reinterpret_cast<T*>(smem + Smem::k_offset)), V(reinterpret_cast<T*>(smem + Smem::v_offset)),
+    __device__ __forceinline__ BackwardTiles(unsigned char* smem, int stage = 0)
+        : Q(reinterpret_cast<T*>(smem + Smem::q_offset) + q_stage(stage) * Smem::Queries * Smem::LDD),
+          dO(reinterpret_cast<T*>(smem + Smem::do_offset) + q_stage(stage) * Smem::Queries * Smem::LDE),
+          K(reinterpret_cast<T*>(smem + Smem::k_offset) + k_stage(stage) * Smem::Keys * Smem::LDD),
+          V(reinterpret_cast<T*>(smem + Smem::v_offset) + k_stage(stage) * Smem::Keys * Smem::LDE),
           P(reinterpret_cast<Acc*>(smem + Smem::p_offset)), dS(reinterpret_cast<Acc*>(smem + Smem::ds_offset)),
-          shift(reinterpret_cast<Acc*>(smem + Smem::rows_offset)), delta(shift + Smem::Queries) {}
+          shift(reinterpret_cast<Acc*>(smem + Smem::rows_offset) + q_stage(stage) * 2 * Smem::Queries),
+          delta(shift + Smem::Queries) {}
+    static __device__ __forceinline__ int q_stage(int stage) { return Smem::QStages > 1 ? stage : 0; }
+    static __device__ __forceinline__ int k_stage(int stage) { return Smem::KStages > 1 ? stage : 0; }
 };
 
 // The parameters every backward kernel takes, in the order the launch code passes them (BACKWARD_OPERANDS and
@@ -140,13 +148,17 @@ __device__ __forceinline__ void store_rows(Acc* dst, const Acc (&G)[R][C], Acc s
     }
 }
 
-template <typename T, int Br, int Bc, int D, int E, int Warps>
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
 __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS) {
     using Acc = typename AccOf<T>::type;
-    using Smem = BackwardShared<T, Br, Bc, D, E, false>;
+    using Smem = BackwardShared<T, Br, Bc, D, E, false, Stages>;
     constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
     constexpr int RPT = Br / RG, CPT = Bc / TC, DPT = D / TC;  // rows, key columns, d columns per thread
     static_assert(Br % RG == 0 && Bc % TC == 0 && D % TC == 0 && E % TC == 0, "unsupported tile shape");
+    static_assert(Stages == 1 || Stages == 2, "K and V in one stage, or two (the next tile's in flight)");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    static_assert(Stages == 1, "cp.async (two stages) needs compute capability 8.0 or newer");
+#endif
 
     extern __shared__ __align__(16) unsigned char smem[];
     const BackwardTiles<T, Smem> s(smem);
@@ -165,22 +177,43 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
                                             (int)e, flags & kVectorDout);
     load_row_terms<Br, Threads>(s.shift, s.delta, lse, delta, g, ops.base, i0, rows);
 
+    // Two stages: the next key tile's K and V are copied (cp.async) into the other stage while this one is computed.
+    const auto load_kv_async = [&](long long j0, int stage) {
+        const BackwardTiles<T, Smem> swept(smem, stage);
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        load_tile_async<T, Bc, D, Smem::LDD, Threads, true>(swept.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row,
+                                                            ops.k.col, cols, (int)d, flags & kVectorK);
+        load_tile_async<T, Bc, E, Smem::LDE, Threads, true>(swept.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
+                                                            ops.v.col, cols, (int)e, flags & kVectorV);
+        ptx::cp_async_commit();
+    };
+    if constexpr (Stages == 2)
+        if (ops.keys.begin < ops.keys.end) load_kv_async(ops.keys.begin, 0);
+
     Acc dQ[RPT][DPT];
     zero(dQ);
-    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc) {
+    int stage = 0;
+    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc, stage = Stages == 2 ? stage ^ 1 : 0) {
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        __syncthreads();  // the previous tile's K, P and dS are read (at the first: Q, dO and the row terms landed)
-        load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
-                                                cols, (int)d, flags & kVectorK);
-        load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
-                                                cols, (int)e, flags & kVectorV);
-        __syncthreads();
+        const BackwardTiles<T, Smem> swept(smem, stage);  // this key tile's K and V
+        if constexpr (Stages == 2) {
+            ptx::cp_async_wait<0>();
+            __syncthreads();  // K and V landed (at the first: Q, dO, the row terms too); the last tile's K, P, dS read
+            if (j0 + Bc < ops.keys.end) load_kv_async(j0 + Bc, stage ^ 1);
+        } else {
+            __syncthreads();  // the previous tile's K, P and dS are read (at the first: Q, dO and the row terms landed)
+            load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
+                                                    cols, (int)d, flags & kVectorK);
+            load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
+                                                    cols, (int)e, flags & kVectorV);
+            __syncthreads();
+        }
 
         Acc S[RPT][CPT], dP[RPT][CPT];
         zero(S);
         zero(dP);
-        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.Q, s.K, (int)d, ty, tx);
-        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.dO, s.V, (int)e, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.Q, swept.K, (int)d, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.dO, swept.V, (int)e, ty, tx);
 
         const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
         auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
@@ -207,18 +240,22 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
         else
             gradients(false);
         __syncthreads();
-        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, s.K, cols, partial, ty, tx);
+        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, swept.K, cols, partial, ty, tx);
     }
     store_rows<T, RPT, DPT, RG>(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, rows, d, ty, tx);
 }
 
-template <typename T, int Br, int Bc, int D, int E, int Warps>
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
 __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAMS) {
     using Acc = typename AccOf<T>::type;
-    using Smem = BackwardShared<T, Br, Bc, D, E, true>;
+    using Smem = BackwardShared<T, Br, Bc, D, E, true, Stages>;
     constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
     constexpr int RPT = Bc / RG, CPT = Br / TC, DPT = D / TC, EPT = E / TC;  // keys, query columns, d, e per thread
     static_assert(Bc % RG == 0 && Br % TC == 0 && D % TC == 0 && E % TC == 0, "unsupported tile shape");
+    static_assert(Stages == 1 || Stages == 2, "Q and dO in one stage, or two (the next tile's in flight)");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    static_assert(Stages == 1, "cp.async (two stages) needs compute capability 8.0 or newer");
+#endif
 
     extern __shared__ __align__(16) unsigned char smem[];
     const BackwardTiles<T, Smem> s(smem);
@@ -240,26 +277,49 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
     load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
                                             (int)e, flags & kVectorV);
 
+    // Two stages: the next query tile's Q and dO are copied (cp.async) into the other stage while this one is
+    // computed, and its row terms stored there (seen after the barrier that starts it).
+    const auto load_queries_async = [&](long long i0, int stage) {
+        const BackwardTiles<T, Smem> swept(smem, stage);
+        const int rows = (int)min_ll(Br, queries.end - i0);
+        load_tile_async<T, Br, D, Smem::LDD, Threads, true>(swept.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row,
+                                                            ops.q.col, rows, (int)d, flags & kVectorQ);
+        load_tile_async<T, Br, E, Smem::LDE, Threads, true>(swept.dO, dout + ops.base.of[kDout] + i0 * gdo.row,
+                                                            gdo.row, gdo.col, rows, (int)e, flags & kVectorDout);
+        ptx::cp_async_commit();
+        load_row_terms<Br, Threads>(swept.shift, swept.delta, lse, delta, g, ops.base, i0, rows);
+    };
+    if constexpr (Stages == 2)
+        if (queries.begin < queries.end) load_queries_async(queries.begin, 0);
+
     Acc dK[RPT][DPT], dV[RPT][EPT];
     zero(dK);
     zero(dV);
-    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br) {
+    int stage = 0;
+    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br, stage = Stages == 2 ? stage ^ 1 : 0) {
         const int rows = (int)min_ll(Br, queries.end - i0);
         ops.i0 = i0;
         ops.rows = rows;
-        __syncthreads();  // the previous tile's Q, dO, P and dS are read (at the first: K and V landed)
-        load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
-                                                rows, (int)d, flags & kVectorQ);
-        load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
-                                                rows, (int)e, flags & kVectorDout);
-        load_row_terms<Br, Threads>(s.shift, s.delta, lse, delta, g, ops.base, i0, rows);
-        __syncthreads();
+        const BackwardTiles<T, Smem> swept(smem, stage);  // this query tile's Q, dO and row terms
+        if constexpr (Stages == 2) {
+            ptx::cp_async_wait<0>();
+            __syncthreads();  // Q, dO landed (at the first: K and V too); the last tile's Q, dO, P, dS, row terms read
+            if (i0 + Br < queries.end) load_queries_async(i0 + Br, stage ^ 1);
+        } else {
+            __syncthreads();  // the previous tile's Q, dO, P and dS are read (at the first: K and V landed)
+            load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
+                                                    rows, (int)d, flags & kVectorQ);
+            load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
+                                                    gdo.col, rows, (int)e, flags & kVectorDout);
+            load_row_terms<Br, Threads>(s.shift, s.delta, lse, delta, g, ops.base, i0, rows);
+            __syncthreads();
+        }
 
         Acc S[RPT][CPT], dP[RPT][CPT];  // transposed: keys by row, queries by column
         zero(S);
         zero(dP);
-        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.K, s.Q, (int)d, ty, tx);
-        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.V, s.dO, (int)e, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.K, swept.Q, (int)d, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.V, swept.dO, (int)e, ty, tx);
 
         const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
         auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
@@ -271,7 +331,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                     const int ii = tx + TC * c;
                     Acc p, ds;
                     // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], s.shift[ii], s.delta[ii],
+                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], swept.shift[ii], swept.delta[ii],
                                                                scale_log2, ops, bias, mask, i0 + ii, j0 + r, r, keys,
                                                                i0 + rows, left, right, partial, p, ds);
                     s.P[r * Smem::LDP + ii] = visible ? p : hidden_p<Acc>();
@@ -284,8 +344,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
         else
             gradients(false);
         __syncthreads();
-        weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDE>(dV, s.P, s.P, s.dO, rows, partial, ty, tx);
-        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, s.Q, rows, partial, ty, tx);
+        weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDE>(dV, s.P, s.P, swept.dO, rows, partial, ty, tx);
+        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, swept.Q, rows, partial, ty, tx);
     }
     store_rows<T, RPT, DPT, RG>(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, keys, d, ty, tx);
     store_rows<T, RPT, EPT, RG>(dv + ops.base.of[kDv] + j0 * gdv.row, dV, Acc(1), gdv.row, gdv.col, keys, e, ty, tx);

@@ -133,14 +133,14 @@ def case_clean_attention():
 
 def case_clean_backward():
     """The backward kernels, CUDA-core and tensor-core (each block the only writer of its gradients, across
-    blocks too), on a ragged causal problem with a bias and its gradient, in two schedules; the tensor-core ones
-    with one stage and with two (the next swept tile's copies and row terms in flight)."""
+    blocks too), on a ragged causal problem with a bias and its gradient, in two schedules; each with one stage
+    and with two (the next swept tile's copies and row terms in flight)."""
     import cuflash
     from cuflash import BlockConfig
     from reference import assert_grads_accurate
     rng = np.random.default_rng(1)
-    for dtype, block in ((np.float32, BlockConfig(16, 16, 2)), (np.float16, BlockConfig.mma(32, 32, 2, stages=1)),
-                         (np.float16, (32, 32))):
+    for dtype, block in ((np.float32, BlockConfig(16, 16, 2)), (np.float32, BlockConfig(16, 16, 2, stages=2)),
+                         (np.float16, BlockConfig.mma(32, 32, 2, stages=1)), (np.float16, (32, 32))):
         q, k, v = (rng.standard_normal((2, n, 24)).astype(dtype) for n in (37, 50, 50))
         bias = rng.standard_normal((37, 50)).astype(np.float32)
         out, lse = cuflash.attention(q, k, v, bias=bias, causal=True, return_lse=True)
