@@ -235,8 +235,8 @@ class Family:
             reasons.append(f"{what} needs {fmt_bytes(smem)} of shared memory; {device.name} allows "
                            f"{fmt_bytes(device.smem_per_block)} per block")
         if config.stages > 1 and tuple(device.compute_capability) < (8, 0):
-            reasons.append(f"stages={config.stages} pipelines K/V with cp.async, which needs compute capability 8.0 "
-                           f"or newer; {device.name} has {device.arch}: use stages=1")
+            reasons.append(f"stages={config.stages} pipelines tile loads with cp.async, which needs compute "
+                           f"capability 8.0 or newer; {device.name} has {device.arch}: use stages=1")
         words, limit = self.accumulator_words(shape, config), self.register_bounds(shape)[1]
         if words > limit:
             reasons.append(f"{what} keeps {words} accumulator registers per thread, more than the "

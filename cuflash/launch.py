@@ -117,7 +117,8 @@ def coalesce(shape, strides_per_operand):
                 merged[-1] = (prev_size * size, strides)
                 continue
         merged.append((size, strides))
-    return [size for size, _ in merged], [[strides[x] for _, strides in merged] for x in range(len(strides_per_operand))]
+    operands = range(len(strides_per_operand))
+    return [size for size, _ in merged], [[strides[x] for _, strides in merged] for x in operands]
 
 
 # ----------------------------------------------------------------------------------------------------------------

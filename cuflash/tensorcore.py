@@ -220,7 +220,7 @@ FORWARD = Family(
 BACKWARD_MAX_HEAD_DIM = 128
 BACKWARD_REGISTER_TARGET = {"dq": 144, "dkdv": 120}  # dK/dV's kernel keeps two gradients: it spills past 120
 BACKWARD_REGISTER_LIMIT = 160
-BACKWARD_STAGES = {"dq": (2, 1), "dkdv": (2, 1)}
+BACKWARD_STAGES = (2, 1)  # the swept tiles double-buffered where they fit, else one stage
 
 
 def _backward_family(kind: str) -> Family:
@@ -245,12 +245,11 @@ def _backward_family(kind: str) -> Family:
         words. Mirrors MmaBackwardShared."""
         D, E = bucket(shape.d), bucket(shape.e)
         swept = own_and_swept(config)[1]
-        swept_tiles = "queries" if keys_own else "keys"  # Q_i and dO_i, or K_j and V_j: once per stage
-        tiles = sum((config.stages if tiles_of == swept_tiles else 1) *
-                    align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM))
-                    for tiles_of, rows in (("queries", config.Br), ("keys", config.Bc)) for width in (D, E))
+        q_stages, k_stages = (config.stages, 1) if keys_own else (1, config.stages)
+        tiles = sum(stages * align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM))
+                    for stages, rows in ((q_stages, config.Br), (k_stages, config.Bc)) for width in (D, E))
         scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
-        return tiles + (config.stages if keys_own else 1) * align16(4 * 2 * config.Br) + scratch
+        return tiles + q_stages * align16(4 * 2 * config.Br) + scratch
 
     def accumulator_words(shape: Shape, config: BlockConfig) -> int:
         """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients."""
@@ -287,7 +286,7 @@ def _backward_family(kind: str) -> Family:
         for swept in swept_sizes:
             for own, warps in own_first:
                 br, bc = (swept, own) if keys_own else (own, swept)
-                configs += [BlockConfig(br, bc, warps, stages, "mma") for stages in BACKWARD_STAGES[kind]]
+                configs += [BlockConfig(br, bc, warps, stages, "mma") for stages in BACKWARD_STAGES]
         return [configs]
 
     return Family(
@@ -298,7 +297,7 @@ def _backward_family(kind: str) -> Family:
         registers_estimate=lambda shape, config: min(255, (64 + accumulator_words(shape, config) + 7) // 8 * 8),
         template_args=template_args, column_width=lambda shape, config: max(1, shape.e), candidates=candidates,
         register_target=BACKWARD_REGISTER_TARGET[kind], register_limit=BACKWARD_REGISTER_LIMIT,
-        register_advice="use a smaller swept tile or more warps", stages=BACKWARD_STAGES[kind], kind=kind,
+        register_advice="use a smaller swept tile or more warps", stages=BACKWARD_STAGES, kind=kind,
         tiles_along="keys" if keys_own else "queries", operands=BACKWARD_OPERANDS,
         scalars=BACKWARD_SCALARS)
 

@@ -294,7 +294,10 @@ def gradient_condition(dout, q, k, v, unit, o_unit, *, scale=None, causal=False,
     P_ij (dO_i.V_j - dO_i.O_i) is a difference of two dot products (FlashAttention-2's D_i = dO_i.O_i, with O
     as the forward returned it, rounded to the dtype), so its error is about C_ij = P_ij (unit |dO_i|.|V_j| +
     (unit + o_unit) |dO_i|.|O_i|); dQ, dK and dbias carry C through |K|, |Q| and as is, and dV = P^T dO carries
-    unit P^T |dO|. Finite parts only (non-finite rows are compared exactly)."""
+    unit P^T |dO|. P itself is recomputed from the saved lse, exp(s_ij - lse_i) with s and lse each rounded, so
+    it is off by about E_ij = P_ij unit (|s_ij| + |lse_i|), which dV carries as E^T |dO| and C as E_ij
+    (|dO_i|.|V_j| + |dO_i|.|O_i|): large scores make it the largest term. Finite parts only (non-finite rows are
+    compared exactly)."""
     def finite_abs(x):
         return np.abs(np.nan_to_num(np.asarray(x).astype(np.float64), nan=0, posinf=0, neginf=0))
     shapes = [np.shape(x) for x in (q, k, v)]
@@ -311,10 +314,12 @@ def gradient_condition(dout, q, k, v, unit, o_unit, *, scale=None, causal=False,
             s = s + np.asarray(bias).astype(np.float64)
         lse_safe = np.where(np.isfinite(lse), lse, np.inf)[..., None]
         p = np.nan_to_num(np.where(vis, np.exp(s - lse_safe), 0), nan=0, posinf=0)
-    c = p * (unit * np.matmul(da, np.swapaxes(va, -1, -2)) + (unit + o_unit) * (da * oa).sum(axis=-1, keepdims=True))
+        e = np.nan_to_num(p * unit * (np.abs(s) + np.abs(lse_safe)), nan=0, posinf=0)
+    dov, doo = np.matmul(da, np.swapaxes(va, -1, -2)), (da * oa).sum(axis=-1, keepdims=True)
+    c = p * (unit * dov + (unit + o_unit) * doo) + e * (dov + doo)
     dq = abs(scale) * np.matmul(c, ka)
     dk = abs(scale) * np.matmul(np.swapaxes(c, -1, -2), qa)
-    dv = unit * np.matmul(np.swapaxes(p, -1, -2), da)
+    dv = np.matmul(np.swapaxes(unit * p + e, -1, -2), da)
     conds = [reduce_to_shape(g, shape) for g, shape in zip((dq, dk, dv), shapes)]
     return conds + [None if bias is None else reduce_to_shape(np.broadcast_to(c, np.broadcast_shapes(
         c.shape, np.shape(bias))), np.shape(bias))]

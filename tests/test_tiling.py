@@ -98,8 +98,8 @@ def test_two_stages_where_cp_async_and_shared_memory_allow():
     assert choose(Workload(F32, 128, 128, precision="fma"), a100) == BlockConfig(64, 64, 8)  # 2 stages: 184 KiB
     assert choose(Workload(F16, 64, 64), t4) == BlockConfig(64, 64, 4)
     (reason,) = not_supported_reasons(Workload(F16, 64, 64), BlockConfig(64, 64, 4, stages=2), t4)
-    assert reason == ("stages=2 pipelines K/V with cp.async, which needs compute capability 8.0 or newer; Tesla T4 has "
-                      "sm_75: use stages=1; (64, 64) fits")
+    assert reason == ("stages=2 pipelines tile loads with cp.async, which needs compute capability 8.0 or newer; "
+                      "Tesla T4 has sm_75: use stages=1; (64, 64) fits")
     (reason,) = not_supported_reasons(Workload(F16, 300, 64), BlockConfig(32, 32, 4, stages=2), a100)
     assert reason == ("stages=2 double-buffers whole K tiles: d=300 is swept in slices of the 256-wide head tile, "
                       "which take stages=1; (64, 64) fits")

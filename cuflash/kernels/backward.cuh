@@ -19,7 +19,8 @@
 // gradient through 0 * inf.
 //
 // Template: T element type; Br queries and Bc keys per tile; D, E head-dimension buckets (d <= D and e <= E: the
-// planner sends wider heads to the blocked path); Warps per block.
+// planner sends wider heads to the blocked path); Warps per block; Stages: 1, the swept tiles loaded when needed,
+// or 2 (compute capability 8.0 and newer) with the next one's cp.async copies in flight while one is computed.
 #pragma once
 
 #include "forward.cuh"

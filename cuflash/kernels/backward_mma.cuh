@@ -10,14 +10,16 @@
 //                 dP = dO_i V_j^T, P and dS elementwise (dbias written when asked), dQ_i += dS K_j.
 //
 // Gradients accumulate in float fragments and go to the float gradient arrays straight from them. Loads are
-// cp.async (element loads for strided views), one stage: overlapping loads with products is the hot-loop work of
-// a later step. A hidden pair's P and dS are 0 by selection; a 0 times an inf or NaN in a row some pair hides
+// cp.async (element loads for strided views); with two stages the next swept tile's copies (and, in bwd_mma_dkdv,
+// its row terms) go into the other stage while one is computed, one barrier a tile. A hidden pair's P and dS are
+// 0 by selection; a 0 times an inf or NaN in a row some pair hides
 // (a key of K_j; a query row of Q_i or dO_i) would still be NaN on tensor cores, so tiles that hide pairs look
 // for non-finite values first and, only then, take the product on CUDA cores with hidden pairs skipped
 // (mma::acc_by_selection).
 //
 // Template: T element type; Br queries and Bc keys per tile (the block's own axis is 16 x MT x Warps); D, E
-// head-dim buckets (multiples of 32 up to 128; run-time d, e, tails zero-filled); Warps per block.
+// head-dim buckets (multiples of 32 up to 128; run-time d, e, tails zero-filled); Warps per block; Stages of the
+// swept tiles (1 or 2).
 #pragma once
 
 #include "backward.cuh"
