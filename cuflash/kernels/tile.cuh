@@ -265,15 +265,24 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
 
 // The same as cp.async copies (compute capability 8.0 and newer) where `vector`: 16-byte chunks, zero-filled past
 // the tails, that land at the cp_async_wait covering the caller's commit; otherwise (strided or misaligned views)
-// plain element loads, in shared memory at once. Rows of LD elements start 16-byte aligned. Unrolled: the copies
-// unrolled, their trip count known here, and a whole tile's without predicates (for a hot loop's loads; a cold
-// path's stay a loop).
+// plain element loads, in shared memory at once. Rows of LD elements start 16-byte aligned. Unrolled: a whole
+// tile's copies (every row and column there) unrolled, their trip count known here, and without predicates (for
+// a hot loop's loads); other tiles' stay a loop.
 template <typename T, int Rows, int Cols, int LD, int Threads, bool Unrolled = false>
 __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long row_stride, long long col_stride,
                                                 int rows, int cols, bool vector) {
     constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk, Chunks = Rows * ChunksPerRow;
     static_assert(Cols % kChunk == 0 && LD * sizeof(T) % 16 == 0, "16-byte chunks into 16-byte aligned rows");
-    const auto copy = [&](int idx) {
+    if (Unrolled && vector && rows == Rows && cols == Cols) {  // a whole tile: every chunk whole, no predicate
+#pragma unroll
+        for (int k = 0; k < (Chunks + Threads - 1) / Threads; ++k) {
+            const int idx = threadIdx.x + k * Threads, r = idx / ChunksPerRow, c = idx % ChunksPerRow * kChunk;
+            if (Chunks % Threads == 0 || idx < Chunks)
+                ptx::cp_async_cg16_whole(ptx::shared_addr(dst + r * LD + c), src + r * row_stride + c);
+        }
+        return;
+    }
+    for (int idx = threadIdx.x; idx < Chunks; idx += Threads) {
         const int r = idx / ChunksPerRow, c = idx % ChunksPerRow * kChunk;
         if (vector) {
             const int valid = r < rows ? (cols - c < 0 ? 0 : (cols - c > kChunk ? kChunk : cols - c)) : 0;
@@ -285,20 +294,6 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
             for (int x = 0; x < kChunk; ++x)
                 dst[r * LD + c + x] = (r < rows && c + x < cols) ? src[r * row_stride + (c + x) * col_stride] : zero;
         }
-    };
-    if (Unrolled && vector && rows == Rows && cols == Cols) {  // a whole tile: every chunk whole, no predicate
-#pragma unroll
-        for (int k = 0; k < (Chunks + Threads - 1) / Threads; ++k) {
-            const int idx = threadIdx.x + k * Threads, r = idx / ChunksPerRow, c = idx % ChunksPerRow * kChunk;
-            if (Chunks % Threads == 0 || idx < Chunks)
-                ptx::cp_async_cg16_whole(ptx::shared_addr(dst + r * LD + c), src + r * row_stride + c);
-        }
-    } else if (Unrolled && vector) {
-#pragma unroll
-        for (int k = 0; k < (Chunks + Threads - 1) / Threads; ++k)
-            if (Chunks % Threads == 0 || threadIdx.x + k * Threads < Chunks) copy(threadIdx.x + k * Threads);
-    } else {
-        for (int idx = threadIdx.x; idx < Chunks; idx += Threads) copy(idx);
     }
 }
 
