@@ -381,22 +381,25 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         V_j = V_j + ring.hop * (int)Smem::v_stage;
     };
 
-    // The steady tiles come first, in the hot loop: P and P V of the tile before (from the second visit on), then
-    // the next tile's scores and row max. Only when a row's max grows, which after the first tiles is rare, does
-    // the loop leave to rescale l_i and O_i, and come back: the rescale stays out of the hot loop.
+    // The steady tiles come first, in the hot loop: P and P V of a tile, then the next tile's scores and row max.
+    // Only when a row's max grows, which after the first tiles is rare, does the loop leave to rescale l_i and O_i
+    // (rescale), and come back: the rescale stays out of the hot loop.
     int t = 0;
     mma::StageRing<Stages> ring;
     if (sweep.steady > 0) {
         Acc S[MT][NT][4], m_old[MT][2];
+        begin_tile(t, ring, mma::Steady<true>{});
+        scores(S, 0);
+        K_j = K_j + ring.hop * (int)Smem::k_stage;
+        ++t;
+        move_max(S, scale_log2, m_old);
         for (;;) {
-            if (t > 0) rescale(m_old);
-            for (;;) {  // the hot loop
-                if (t > 0) {  // tile t - 1's P and P V
-                    probabilities(S, scale_log2);
-                    Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j, kLoBytes);
-                    V_j = V_j + ring.hop * (int)Smem::v_stage;
-                    ring.advance();
-                }
+            rescale(m_old);  // the first time, O_i and l_i are still 0
+            for (;;) {       // the hot loop
+                probabilities(S, scale_log2);
+                Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j, kLoBytes);
+                V_j = V_j + ring.hop * (int)Smem::v_stage;
+                ring.advance();
                 if (t == sweep.steady) goto steady_done;
                 begin_tile(t, ring, mma::Steady<true>{});
                 scores(S, 0);
