@@ -503,6 +503,8 @@ def analyze(sass: str, plan) -> LoopReport:
     notes = []
     kinds = [kind_of(code, g[0]) for g in groups]
     looped = wanted  # the steps with an inner loop of their own; a full tile's loads may be unrolled in the body
+    if kinds != [s.kind for s in looped]:  # whole tiles' copies unrolled; the row terms still a loop of their own
+        looped = [s for s in wanted if s.unit != "chunks"]
     if kinds != [s.kind for s in looped]:
         looped = [s for s in wanted if s.kind != "load"]
     if kinds != [s.kind for s in looped]:
@@ -528,7 +530,7 @@ def analyze(sass: str, plan) -> LoopReport:
     products = [g for g, s in zip(groups, looped) if s.kind != "load"]  # the product loops an unrolled tile passes
     unrolled = unrolled_copies_path(code, loop, cost, chunks, products) if chunks else None
     # the tile's loads: through load loops, or copies unrolled in the body (all of them where no load loop exists)
-    loads = "unrolled" if wanted and not any(s.kind == "load" for s in looped) else "loops"
+    loads = "unrolled" if wanted and not any(s.unit == "chunks" for s in looped) else "loops"
     if unrolled is not None and (path is None or sum(unrolled.values()) < sum(path.values())):
         path, loads = unrolled, "unrolled"
     if path is None:

@@ -23,7 +23,7 @@ C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
 # A kernel's parameters, in order: its pointer operands (launch.OPERANDS names), the geometry table, its scalars.
 FORWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")
 FORWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "left", "right", "flags")
-BACKWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "dout", "lse", "delta", "dq", "dk", "dv", "dbias")
+BACKWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "dout", "terms", "dq", "dk", "dv", "dbias")
 BACKWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "scale", "left", "right", "flags")
 # precision= (Shape.precision): how float32 may use tensor cores. "highest": float32-exact (3xTF32 on tensor cores,
 # or CUDA cores); "tf32": one TF32 pass; "fma": CUDA cores only, for any dtype.

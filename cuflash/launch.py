@@ -19,10 +19,11 @@ from .tiling import Plan
 # The per-launch geometry table, declared once: the C struct Geometry of kernels/tile.cuh, field for field
 # (tests/test_layout.py checks sizes, offsets and constants through the compiler: layout_asserts).
 MAX_BATCH_DIMS = 6  # kMaxBatchDims
-# The Operand enum's order: the forward's operands, then the backward's (dout; delta, FlashAttention-2's
-# D_i = rowsum(dO_i * O_i); the gradients in the accumulator type).
-OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse", "dout", "delta", "dq", "dk", "dv", "dbias")
-ROW_VECTORS = ("lse", "delta")  # one value per query row: a row stride and no column stride
+# The Operand enum's order: the forward's operands, then the backward's (dout; terms, two per query row: row_terms;
+# the gradients in the accumulator type).
+OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse", "dout", "terms", "dq", "dk", "dv", "dbias")
+ROW_VECTORS = ("lse",)  # one value per query row: a row stride and no column stride
+LOG2E = 1.4426950408889634
 OPERAND_STRIDES = np.dtype([("row", np.int64), ("col", np.int64), ("batch", np.int64, (MAX_BATCH_DIMS,))])
 GEOMETRY = np.dtype([
     ("batch_count", np.int64), ("rank", np.int64), ("shape", np.int64, (MAX_BATCH_DIMS,)),
@@ -141,13 +142,28 @@ def launches(problem, out, lse, plan: Plan, split_strides: Tuple[int, int] = (0,
     return result
 
 
-def backward_operands(problem, dout, lse, delta, grads) -> dict:
-    """Every operand of the backward kernels by name: dout, the forward's lse and delta (D_i) in, grads = (dq, dk,
-    dv, dbias or None) over the whole batch in the accumulator type out. Made once for both kernels (the bias is
-    cast to the accumulator type here)."""
+def row_terms(problem, dout, out, lse):
+    """What the backward kernels need of each query row, made once for both: (shift, D_i) pairs in the accumulator
+    type, shape (*batch, n, 2), contiguous (a query tile's pairs are copied as they are, 8 or 16 bytes a row).
+    shift = lse log2 e, the lse in the log2 domain of P = exp2(s log2 e - shift), and 0 where lse is -inf: that row
+    saw no key, and its P = exp2(-inf - 0) = 0, never NaN. D_i = rowsum(dO_i * O_i), FlashAttention-2's
+    preprocessing."""
+    xp, acc = problem.xp, problem.acc_dtype
+    terms = xp.empty(tuple(lse.shape) + (2,), dtype=acc)
+    with np.errstate(invalid="ignore", over="ignore"):
+        shift = lse.astype(acc) * acc.type(LOG2E)
+        terms[..., 0] = xp.where(lse == -np.inf, acc.type(0), shift)
+        terms[..., 1] = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
+    return terms
+
+
+def backward_operands(problem, dout, terms, grads) -> dict:
+    """Every operand of the backward kernels by name: dout and the row terms (row_terms) in, grads = (dq, dk, dv,
+    dbias or None) over the whole batch in the accumulator type out. Made once for both kernels (the bias is cast
+    to the accumulator type here)."""
     bias = None if problem.bias is None else bias_operand(problem)
     return {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": bias, "dout": dout,
-            "lse": lse, "delta": delta, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
+            "terms": terms, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
 
 
 def backward_launches(problem, plan: Plan, operands: dict) -> List[Launch]:
@@ -315,12 +331,10 @@ def run(problem, out, lse, plan: Plan, get_kernel: Callable[[Plan], Any]) -> Non
 
 
 def run_backward(problem, plans, dout, out, lse, grads, get_kernel: Callable[[Plan], Any]) -> None:
-    """The backward kernels as planned (tiling.backward_plans): delta = rowsum(dout * out) first (FlashAttention-2's
-    preprocessing, in the accumulator type), then each kernel, the only writer of its gradients."""
-    acc = problem.acc_dtype
-    with np.errstate(invalid="ignore", over="ignore"):
-        delta = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
-    operands = backward_operands(problem, dout, lse, delta, grads)
+    """The backward kernels as planned (tiling.backward_plans): the row terms first (row_terms: the lse in the log2
+    domain and D_i = rowsum(dout * out), FlashAttention-2's preprocessing), then each kernel, the only writer of its
+    gradients."""
+    operands = backward_operands(problem, dout, row_terms(problem, dout, out, lse), grads)
     for plan in plans:
         if plan.grid_x:  # no keys: dk and dv are empty, dq stays 0
             _run(backward_launches(problem, plan, operands), plan, get_kernel)

@@ -128,6 +128,15 @@ def case_backward():
     dout = dout.astype(np.float16)
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", bias_grad=True, **options)
     assert_grads_accurate(grads, dout, q, k, v, **options)
+    # Their steady loops (whole tiles through the chunk loaders), each followed by short last tiles, and the tiles
+    # before a window's first plain one; one stage and two, the planner's tiles and the smallest.
+    q, k, v = (randn(rng, (2, length, 32), np.float16) for length in (70, 83, 83))
+    for options in ({}, {"causal": True}, {"window": (20, 7)}):
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        dout = randn(rng, out.shape, np.float16)
+        for block in [(16, 16), BlockConfig.mma(16, 16, 1, stages=1), None]:
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", block=block, **options)
+            assert_grads_accurate(grads, dout, q, k, v, **options)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}

@@ -67,6 +67,43 @@ def test_tensor_core_kernels_match_reference(case, block):
     assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
 
 
+@given(cases(dtypes=(np.float16, ml_dtypes.bfloat16), mixed_dtypes=False, lengths=(16, 33, 70), head_dims=(8, 16, 32),
+             masks=False, biases=False, views=("contiguous", "stride0"), max_batch_dims=1),
+       st.sampled_from([(16, 16), SMALL_MMA]))
+@settings(max_examples=20)
+def test_tensor_core_steady_loops_match_reference(case, block):
+    """The tensor-core kernels' steady loops: whole tiles of 16-byte rows without mask or bias, the plain ones
+    swept first (windows and causal masks leave others before and after them), short last tiles after them."""
+    options = options_of(case)
+    dout, grads = backward(case.q, case.k, case.v, block=block, **options)
+    assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
+
+
+@pytest.mark.parametrize("window", [(40, 17), (17, 40), (None, -8), (9, None)])
+def test_tensor_core_plain_tiles_inside_a_window(window):
+    """Windows wide enough for whole plain tiles between their edges, on both axes: dQ's plain key tiles and dK
+    dV's plain query tiles (the window transposed) after the edge tiles before them, and the edges after."""
+    rng = np.random.default_rng(9)
+    q, k, v = (randn(rng, (2, length, 32), np.float16) for length in (70, 83, 83))
+    dout, grads = backward(q, k, v, block=(16, 16), window=window)
+    assert_grads_accurate(grads, dout, q, k, v, window=window)
+
+
+def test_row_terms_shift_a_row_that_saw_nothing_by_zero():
+    """The backward's row terms: lse log2 e and D_i = rowsum(dO * O) per row, and a shift of 0 for a row whose lse
+    is -inf (it saw no key), so that its P = exp2(s - shift) is never exp2(-inf + inf)."""
+    q = np.zeros((3, 4), np.float32)
+    problem, out, _ = problem_and_outputs(q, q, q)
+    lse = np.array([0.5, -np.inf, 2.0], np.float32)
+    dout = np.arange(12, dtype=np.float32).reshape(3, 4)
+    out = np.ones((3, 4), np.float32)
+    terms = launch.row_terms(problem, dout, out, lse)
+    assert terms.shape == (3, 2) and terms.dtype == np.float32
+    np.testing.assert_array_equal(terms[:, 0], [np.float32(0.5) * np.float32(np.log2(np.e)), 0.0,
+                                                np.float32(2.0) * np.float32(np.log2(np.e))])
+    np.testing.assert_array_equal(terms[:, 1], dout.sum(axis=1))
+
+
 @pytest.mark.parametrize("dtype, d, e, options, block, variant", [
     (np.float32, 64, 64, {"causal": True}, None, "fma"),
     (np.float16, 128, 40, {"window": (50, 3)}, None, "mma"),
@@ -164,8 +201,7 @@ def test_launches_cover_both_kernels_once_each():
     dkdv, dq = tiling.backward_plans(problem.shape, simt.DEVICE, SMALL)
     grads = [np.zeros((3, 33, 8), np.float32), np.zeros((3, 50, 8), np.float32), np.zeros((3, 50, 4), np.float32),
              None]
-    delta = np.zeros((3, 33), np.float32)
-    operands = launch.backward_operands(problem, out, lse, delta, grads)
+    operands = launch.backward_operands(problem, out, launch.row_terms(problem, out, out, lse), grads)
     (a,) = launch.backward_launches(problem, dkdv, operands)
     (b,) = launch.backward_launches(problem, dq, operands)
     assert (a.name, a.grid) == ("cuflash::bwd_dkdv<float, 16, 16, 16, 16, 2>", (4, 3, 1))  # 50 keys / 16

@@ -27,10 +27,15 @@
 
 namespace cuflash {
 
+// What the backward needs of a query row, as the launch writes it (cuflash/launch.py's row_terms): the forward's
+// lse in the log2 domain (lse log2 e, and 0 for a row that saw no key, so its P = exp2(-inf - 0) = 0, never NaN)
+// and D_i = rowsum(dO_i * O_i).
+template <typename Acc> struct alignas(2 * sizeof(Acc)) RowTerm { Acc shift, delta; };
+
 // Shared memory of one backward block, all dynamic: the query tile's Q and dO, the key tile's K and V (rows padded
 // by 16 bytes to an odd number of 16-byte chunks, as the forward's Q and K: each is read in chunks of 16 rows by a
 // tile product), P and dS over (own rows) x (swept columns) in the accumulator type (pitch 64 bytes past a multiple
-// of 128, as the forward's P), and the query tile's lse shift and D_i. KeysOwn: bwd_dkdv's layout (own rows are
+// of 128, as the forward's P), and the query tile's row terms (RowTerm). KeysOwn: bwd_dkdv's layout (own rows are
 // keys). Stages: buffers of the swept tiles (bwd_dq's K and V; bwd_dkdv's Q, dO and row terms), each stage's size
 // a multiple of 16 bytes. cuflash/cudacore.py's backward shared-memory model mirrors this layout exactly.
 template <typename T, int Br, int Bc, int D, int E, bool KeysOwn, int Stages = 1>
@@ -55,15 +60,15 @@ struct BackwardShared {
 template <typename T, typename Smem> struct BackwardTiles {
     using Acc = typename AccOf<T>::type;
     T *Q, *dO, *K, *V;
-    Acc *P, *dS, *shift, *delta;
+    Acc *P, *dS;
+    RowTerm<Acc>* terms;  // the query tile's, a pair per row
     __device__ __forceinline__ BackwardTiles(unsigned char* smem, int stage = 0)
         : Q(reinterpret_cast<T*>(smem + Smem::q_offset) + q_stage(stage) * Smem::Queries * Smem::LDD),
           dO(reinterpret_cast<T*>(smem + Smem::do_offset) + q_stage(stage) * Smem::Queries * Smem::LDE),
           K(reinterpret_cast<T*>(smem + Smem::k_offset) + k_stage(stage) * Smem::Keys * Smem::LDD),
           V(reinterpret_cast<T*>(smem + Smem::v_offset) + k_stage(stage) * Smem::Keys * Smem::LDE),
           P(reinterpret_cast<Acc*>(smem + Smem::p_offset)), dS(reinterpret_cast<Acc*>(smem + Smem::ds_offset)),
-          shift(reinterpret_cast<Acc*>(smem + Smem::rows_offset) + q_stage(stage) * 2 * Smem::Queries),
-          delta(shift + Smem::Queries) {}
+          terms(reinterpret_cast<RowTerm<Acc>*>(smem + Smem::rows_offset) + q_stage(stage) * Smem::Queries) {}
     static __device__ __forceinline__ int q_stage(int stage) { return Smem::QStages > 1 ? stage : 0; }
     static __device__ __forceinline__ int k_stage(int stage) { return Smem::KStages > 1 ? stage : 0; }
 };
@@ -73,7 +78,7 @@ template <typename T, typename Smem> struct BackwardTiles {
 #define CUFLASH_BACKWARD_PARAMS                                                                                 \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const bool *__restrict__ mask,  \
         const typename AccOf<T>::type *__restrict__ bias, const T *__restrict__ dout,                          \
-        const typename AccOf<T>::type *__restrict__ lse, const typename AccOf<T>::type *__restrict__ delta,    \
+        const typename AccOf<T>::type *__restrict__ terms,                                                     \
         typename AccOf<T>::type *__restrict__ dq, typename AccOf<T>::type *__restrict__ dk,                    \
         typename AccOf<T>::type *__restrict__ dv, typename AccOf<T>::type *__restrict__ dbias,                 \
         const long long *__restrict__ geometry, long long n, long long m, long long d, long long e,            \
@@ -89,21 +94,21 @@ __device__ __forceinline__ KeyRange query_range(long long j0, long long j1, long
     return {begin, max_ll(begin, end)};
 }
 
-// The query rows [i0, i0 + rows)'s terms in shared memory: the lse in the log2 domain (0 for a row that saw no
-// key, so its P = exp2(-inf - 0) = 0, never NaN) and D_i. Rows past `rows` get 0.
-template <int Br, int Threads, typename Acc>
-__device__ __forceinline__ void load_row_terms(Acc* shift, Acc* delta_s, const Acc* lse, const Acc* delta,
-                                               const Geometry& g, const BatchOffsets& base, long long i0, int rows) {
-    constexpr Acc kLog2e = Acc(1.4426950408889634);
+// The query rows [i0, i0 + rows)'s row terms into `dst` (Br pairs in shared memory; rows past `rows` get 0), as
+// cp.async copies (Async: they land at the covering wait) or plain loads and stores. `src`: the batch item's terms,
+// `row_stride` elements from a row's pair to the next's.
+template <int Br, int Threads, bool Async, typename Acc>
+__device__ __forceinline__ void load_row_terms(RowTerm<Acc>* dst, const Acc* src, long long row_stride, long long i0,
+                                               int rows) {
     for (int r = threadIdx.x; r < Br; r += Threads) {
-        Acc s = Acc(0), dd = Acc(0);
-        if (r < rows) {
-            const Acc l = lse[base.of[kLse] + (i0 + r) * g.op[kLse].row];
-            s = l == -infinity<Acc>() ? Acc(0) : l * kLog2e;
-            dd = delta[base.of[kDelta] + (i0 + r) * g.op[kDelta].row];
-        }
-        shift[r] = s;
-        delta_s[r] = dd;
+        const bool valid = r < rows;
+        const Acc* from = src + (valid ? (i0 + r) * row_stride : 0);  // nothing is read where !valid
+        if constexpr (!Async)
+            dst[r] = valid ? *reinterpret_cast<const RowTerm<Acc>*>(from) : RowTerm<Acc>{};
+        else if constexpr (sizeof(RowTerm<Acc>) == 8)
+            ptx::cp_async_ca8(dst + r, from, valid ? 8 : 0);
+        else
+            ptx::cp_async_cg16(dst + r, from, valid ? 16 : 0);
     }
 }
 
@@ -171,12 +176,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
     const int rows = ops.rows;
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
     const OperandStrides &gdo = g.op[kDout], &gdq = g.op[kDq], &gdb = g.op[kDbias];
+    const Acc* const terms_b = terms + ops.base.of[kTerms];
+    const long long terms_row = g.op[kTerms].row;
 
     load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
                                             (int)d, flags & kVectorQ);
     load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col, rows,
                                             (int)e, flags & kVectorDout);
-    load_row_terms<Br, Threads>(s.shift, s.delta, lse, delta, g, ops.base, i0, rows);
+    load_row_terms<Br, Threads, false>(s.terms, terms_b, terms_row, i0, rows);
 
     // Two stages: the next key tile's K and V are copied (cp.async) into the other stage while this one is computed.
     const auto load_kv_async = [&](long long j0, int stage) {
@@ -222,11 +229,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
             for (int a = 0; a < RPT; ++a) {
                 const int r = ty + RG * a;
                 const long long i = i0 + r;
+                const RowTerm<Acc> t = s.terms[r];
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) {
                     const int jj = tx + TC * c;
                     Acc p, ds;
-                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], s.shift[r], s.delta[r],
+                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], t.shift, t.delta,
                                                                scale_log2, ops, bias, mask, i, j0 + jj, jj, cols, n,
                                                                left, right, partial, p, ds);
                     s.P[r * Smem::LDP + jj] = visible ? p : hidden_p<Acc>();
@@ -272,14 +280,16 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                       (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
     const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
+    const Acc* const terms_b = terms + ops.base.of[kTerms];
+    const long long terms_row = g.op[kTerms].row;
 
     load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
                                             (int)d, flags & kVectorK);
     load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
                                             (int)e, flags & kVectorV);
 
-    // Two stages: the next query tile's Q and dO are copied (cp.async) into the other stage while this one is
-    // computed, and its row terms stored there (seen after the barrier that starts it).
+    // Two stages: the next query tile's Q, dO and row terms are copied (cp.async) into the other stage while this
+    // one is computed.
     const auto load_queries_async = [&](long long i0, int stage) {
         const BackwardTiles<T, Smem> swept(smem, stage);
         const int rows = (int)min_ll(Br, queries.end - i0);
@@ -287,8 +297,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                                                             ops.q.col, rows, (int)d, flags & kVectorQ);
         load_tile_async<T, Br, E, Smem::LDE, Threads, true>(swept.dO, dout + ops.base.of[kDout] + i0 * gdo.row,
                                                             gdo.row, gdo.col, rows, (int)e, flags & kVectorDout);
+        load_row_terms<Br, Threads, true>(swept.terms, terms_b, terms_row, i0, rows);
         ptx::cp_async_commit();
-        load_row_terms<Br, Threads>(swept.shift, swept.delta, lse, delta, g, ops.base, i0, rows);
     };
     if constexpr (Stages == 2)
         if (queries.begin < queries.end) load_queries_async(queries.begin, 0);
@@ -312,7 +322,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                                                     rows, (int)d, flags & kVectorQ);
             load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
                                                     gdo.col, rows, (int)e, flags & kVectorDout);
-            load_row_terms<Br, Threads>(s.shift, s.delta, lse, delta, g, ops.base, i0, rows);
+            load_row_terms<Br, Threads, false>(s.terms, terms_b, terms_row, i0, rows);
             __syncthreads();
         }
 
@@ -332,7 +342,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                     const int ii = tx + TC * c;
                     Acc p, ds;
                     // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], swept.shift[ii], swept.delta[ii],
+                    const RowTerm<Acc> t = swept.terms[ii];
+                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], t.shift, t.delta,
                                                                scale_log2, ops, bias, mask, i0 + ii, j0 + r, r, keys,
                                                                i0 + rows, left, right, partial, p, ds);
                     s.P[r * Smem::LDP + ii] = visible ? p : hidden_p<Acc>();

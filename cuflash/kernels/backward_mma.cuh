@@ -11,8 +11,11 @@
 //
 // Gradients accumulate in float fragments and go to the float gradient arrays straight from them. Loads are
 // cp.async (element loads for strided views); with two stages the next swept tile's copies (and, in bwd_mma_dkdv,
-// its row terms) go into the other stage while one is computed, one barrier a tile. A hidden pair's P and dS are
-// 0 by selection; a 0 times an inf or NaN in a row some pair hides
+// its row terms) go into the other stage while one is computed, one barrier a tile. As in the forward, the plain
+// swept tiles (whole, every pair of the block's rows and the tile's visible, no mask or bias) come first
+// (SweepOrder), in a loop compiled apart from the other tiles' (window edges, masks, biases, a short last tile):
+// P and dS of one FMA and one exp2 each, no visibility, no checks, each thread's copies from its chunk loaders.
+// A hidden pair's P and dS are 0 by selection; a 0 times an inf or NaN in a row some pair hides
 // (a key of K_j; a query row of Q_i or dO_i) would still be NaN on tensor cores, so tiles that hide pairs look
 // for non-finite values first and, only then, take the product on CUDA cores with hidden pairs skipped
 // (mma::acc_by_selection).
@@ -28,7 +31,7 @@
 namespace cuflash {
 
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
-// query tile's lse shift and D_i, and each warp's scratch for the rare CUDA-core product (16 rows of the swept
+// query tile's row terms (RowTerm), and each warp's scratch for the rare CUDA-core product (16 rows of the swept
 // tile's width + 1 floats, and 16 x 4 words of hidden bits). KeysOwn: bwd_mma_dkdv's layout. Stages: buffers of
 // the swept tiles (bwd_mma_dq's K_j and V_j; bwd_mma_dkdv's Q_i, dO_i and their row terms).
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn, int Stages = 1>
@@ -148,6 +151,34 @@ template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]
             for (int y = 0; y < 4; ++y) x[a][c][y] = 0.0f;
 }
 
+// A backward block's sweep in SweepOrder: visit(tile, stage, steady) for each visit, the steady ones in a loop of
+// their own (steady a Steady<true>: compiled apart), the others after it. load(tile, stage, hop, steady) issues a
+// swept tile's copies into `stage` and commits them (hop: the stages from there to the next tile's, StageRing;
+// steady: the tile is a chunk loaders' one, no need to ask): with two stages one visit ahead, into the stage the
+// last visit used; with one at the visit, once every warp is done with the last.
+template <int Stages, typename Load, typename Visit>
+__device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visit&& visit) {
+    static_assert(Stages == 1 || Stages == 2, "the swept tiles in one stage, or two (the next one's in flight)");
+    StageRing<Stages> ring;
+    const auto step = [&](const int t, auto steady) {
+        const int tile = decltype(steady)::value ? order.plain.lo + t : order.at(t);
+        if (Stages == 1) {
+            __syncthreads();  // every warp is done with the last visit's tile
+            load(tile, 0, 0, steady);
+        }
+        ptx::cp_async_wait<0>();
+        __syncthreads();  // the tile has landed; with two stages, every warp is done with the last visit's
+        // (a steady visit always has a next tile: the one its prefetch is chunked for)
+        if (Stages == 2 && (decltype(steady)::value || t + 1 < order.tiles))
+            load(order.at(t + 1), ring.before(), ring.hop_before(), steady);
+        visit(tile, ring.stage, steady);
+    };
+    if (Stages == 2 && order.tiles > 0) load(order.at(0), 0, 1, Steady<false>{});
+    int t = 0;
+    for (; t < order.steady; ++t, ring.advance()) step(t, Steady<true>{});
+    for (; t < order.tiles; ++t, ring.advance()) step(t, Steady<false>{});
+}
+
 }  // namespace mma
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
@@ -157,15 +188,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
     static_assert(MT >= 1 && Bc == 16 * MT * Warps, "Bc must be 16 x Warps x (m16 tiles per warp)");
     static_assert(Br % 16 == 0 && Br <= 128, "Br must be a multiple of 16 up to 128");
     static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
-    static_assert(Stages == 1 || Stages == 2, "Q_i and dO_i in one stage, or two (the next tile's in flight)");
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
     T* dO_s = reinterpret_cast<T*>(smem + Smem::do_offset);
     T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
     T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
-    float* shift = reinterpret_cast<float*>(smem + Smem::rows_offset);
-    float* delta_s = shift + Br;
+    RowTerm<float>* terms_s = reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset);
 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
@@ -177,6 +206,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                       g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset, (flags & kHasMask) != 0,
                       (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
     const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
+    const float* const terms_b = terms + ops.base.of[kTerms];
+    const long long terms_row = g.op[kTerms].row;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // this warp's first key row within the tile
     float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
@@ -188,24 +219,26 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                                                   (int)e, flags & kVectorV);
     ptx::cp_async_commit();
 
-    // Full query tiles of 16-byte rows come through each thread's chunk loaders (tiles in order), others (a short
-    // last tile, strided views) through the general copy.
+    // The plain query tiles see every key of the block (all Bc of them; the window transposed: seen_whole), with
+    // neither mask nor bias. Whole query tiles of 16-byte rows from the first plain one on come through each
+    // thread's chunk loaders, the others (a short last tile, those before the first plain one, strided views)
+    // through the general copy.
     using QLoader = mma::ChunkLoader<T, Br, D, Threads, Stages>;
     using OLoader = mma::ChunkLoader<T, Br, E, Threads, Stages>;
     const bool chunk_loads = QLoader::usable(ops.q.row) && OLoader::usable(gdo.row) && (flags & kVectorQ) &&
                              (flags & kVectorDout) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
-    QLoader Q_load(q + ops.base.of[kQ] + queries.begin * ops.q.row, ops.q.row, (int)d, Q_s);
-    OLoader dO_load(dout + ops.base.of[kDout] + queries.begin * gdo.row, gdo.row, (int)e, dO_s);
-    if (chunk_loads) {
-        Q_load.zero_tail(Q_s);
-        dO_load.zero_tail(dO_s);
-    }
+    const TileRange plain = ops.has_mask || ops.has_bias || keys < Bc
+                                ? TileRange{0, 0} : seen_whole(queries, Br, j0, keys, -offset, right, left);
+    const SweepOrder order = SweepOrder::of(queries, Br, plain, chunk_loads, Stages);
+    const long long chunks_from = queries.begin + (long long)plain.lo * Br;
+    QLoader Q_load(q + ops.base.of[kQ] + chunks_from * ops.q.row, ops.q.row, (int)d, Q_s);
+    OLoader dO_load(dout + ops.base.of[kDout] + chunks_from * gdo.row, gdo.row, (int)e, dO_s);
 
-    // Query tile i0's Q_i, dO_i and row terms into stage `stage`, the chunk loaders' next stage `hop` stages on
-    // (StageRing). The row terms are plain stores: they are seen after the barrier that starts the tile.
-    const auto load_queries = [&](long long i0, int stage, int hop) {
-        const int rows = (int)min_ll(Br, queries.end - i0);
-        if (chunk_loads && rows == Br) {
+    // Query tile `tile`'s Q_i, dO_i and row terms into stage `stage`.
+    const auto load_queries = [&](int tile, int stage, int hop, auto steady) {
+        const long long i0 = queries.begin + (long long)tile * Br;
+        const int rows = decltype(steady)::value ? Br : (int)min_ll(Br, queries.end - i0);
+        if (decltype(steady)::value || order.chunked(tile)) {
             Q_load.next(hop);
             dO_load.next(hop);
         } else {
@@ -216,65 +249,64 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                                                           i0 * gdo.row, gdo.row, gdo.col, rows, (int)e,
                                                           flags & kVectorDout);
         }
+        load_row_terms<Br, Threads, true>(terms_s + stage * Br, terms_b, terms_row, i0, rows);
         ptx::cp_async_commit();
-        load_row_terms<Br, Threads>(shift + stage * 2 * Br, delta_s + stage * 2 * Br, lse, delta, g, ops.base, i0,
-                                    rows);
     };
 
     float dK[MT][DT][4], dV[MT][ET][4];
     mma::zero(dK);
     mma::zero(dV);
-    mma::StageRing<Stages> ring;
-    if (Stages == 2 && queries.begin < queries.end) load_queries(queries.begin, 0, 1);
-    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br, ring.advance()) {
-        const int rows = (int)min_ll(Br, queries.end - i0);
-        ops.i0 = i0;
-        ops.rows = rows;
-        if (Stages == 1) {
-            __syncthreads();  // every warp is done with the previous tile's Q_i, dO_i and row terms
-            load_queries(i0, 0, 0);
-        }
-        ptx::cp_async_wait<0>();
-        __syncthreads();  // Q_i, dO_i and row terms are in; with two stages, every warp is done with the last tile's
-        if (Stages == 2 && i0 + Br < queries.end) load_queries(i0 + Br, ring.before(), ring.hop_before());
-        const T* const Q_i = Q_s + ring.stage * Br * Smem::LDD;
-        const T* const dO_i = dO_s + ring.stage * Br * Smem::LDE;
-        const float* const shift_i = shift + ring.stage * 2 * Br;
-        const float* const delta_i = delta_s + ring.stage * 2 * Br;
-
+    const auto visit = [&](const int tile, const int stage, auto steady) {
+        const T* const Q_i = Q_s + stage * Br * Smem::LDD;
+        const T* const dO_i = dO_s + stage * Br * Smem::LDE;
+        const RowTerm<float>* const terms_i = terms_s + stage * Br;
         float P[MT][NT][4], dS[MT][NT][4];  // transposed: keys by row, queries by column; S and dP at first
         mma::product_nk<T, MT, Br, D>(P, K_s, Q_i, warp_row, lane);
         mma::product_nk<T, MT, Br, E>(dS, V_s, dO_i, warp_row, lane);
-        const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
-        unsigned hidden[MT][2];
-        auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
+        if constexpr (decltype(steady)::value) {  // a plain tile: every pair visible
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    hidden[mt][h] = 0;
-                    const int r = warp_row + 16 * mt + quad_row + 8 * h;
+                for (int h = 0; h < 2; ++h)
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                         for (int x = 0; x < 2; ++x) {
-                            const int ii = 8 * nt + 2 * quad_col + x;
+                            const RowTerm<float> t = terms_i[8 * nt + 2 * quad_col + x];
                             float& p = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
-                            // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                            if (plain)
-                                mma::plain_gradient(p, ds, shift_i[ii], delta_i[ii], scale_log2, p, ds);
-                            else if (!score_gradient(false, p, ds, shift_i[ii], delta_i[ii], scale_log2, ops, bias,
-                                                     mask, i0 + ii, j0 + r, r, keys, i0 + rows, left, right, partial,
-                                                     p, ds))
-                                hidden[mt][h] |= 1u << (2 * nt + x);
+                            mma::plain_gradient(p, ds, t.shift, t.delta, scale_log2, p, ds);
                         }
-                }
-        };
-        if (!partial && !ops.has_bias && rows == Br)
-            gradients(true);
-        else
-            gradients(false);
+            mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
+            mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
+            return;
+        }
+        const long long i0 = queries.begin + (long long)tile * Br;
+        const int rows = (int)min_ll(Br, queries.end - i0);
+        ops.i0 = i0;
+        ops.rows = rows;
+        const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
+        unsigned hidden[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                hidden[mt][h] = 0;
+                const int r = warp_row + 16 * mt + quad_row + 8 * h;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int ii = 8 * nt + 2 * quad_col + x;
+                        const RowTerm<float> t = terms_i[ii];
+                        float& p = P[mt][nt][2 * h + x];
+                        float& ds = dS[mt][nt][2 * h + x];
+                        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
+                        if (!score_gradient(false, p, ds, t.shift, t.delta, scale_log2, ops, bias, mask,
+                                            i0 + ii, j0 + r, r, keys, i0 + rows, left, right, partial, p, ds))
+                            hidden[mt][h] |= 1u << (2 * nt + x);
+                    }
+            }
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(Q_i, rows) ||
                                                          mma::tile_nonfinite<T, E, Threads>(dO_i, rows));
         if (!careful) {
@@ -284,7 +316,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
             mma::acc_by_selection<T, Br, E, MT>(dV, P, hidden, W_w, H_w, dO_i, rows, lane);
             mma::acc_by_selection<T, Br, D, MT>(dK, dS, hidden, W_w, H_w, Q_i, rows, lane);
         }
-    }
+    };
+    mma::sweep<Stages>(order, load_queries, visit);
     ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
     mma::store_fragments<MT, D>(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, warp_row, keys,
                                 d, lane);
@@ -299,15 +332,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     static_assert(MT >= 1 && Br == 16 * MT * Warps, "Br must be 16 x Warps x (m16 tiles per warp)");
     static_assert(Bc % 16 == 0 && Bc <= 128, "Bc must be a multiple of 16 up to 128");
     static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
-    static_assert(Stages == 1 || Stages == 2, "K_j and V_j in one stage, or two (the next tile's in flight)");
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
     T* dO_s = reinterpret_cast<T*>(smem + Smem::do_offset);
     T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
     T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
-    float* shift = reinterpret_cast<float*>(smem + Smem::rows_offset);
-    float* delta_s = shift + Br;
+    RowTerm<float>* terms_s = reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset);
 
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
@@ -325,29 +356,30 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
                                                   (int)d, flags & kVectorQ);
     load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
                                                   rows, (int)e, flags & kVectorDout);
+    load_row_terms<Br, Threads, true>(terms_s, terms + ops.base.of[kTerms], g.op[kTerms].row, i0, rows);
     ptx::cp_async_commit();
-    load_row_terms<Br, Threads>(shift, delta_s, lse, delta, g, ops.base, i0, rows);
 
-    // Full key tiles of 16-byte rows come through each thread's chunk loaders (tiles in order), others (a short
-    // last tile, strided views) through the general copy.
+    // The plain key tiles (plain_tiles: full, seen by every query of the block, no mask or bias). Whole key tiles
+    // of 16-byte rows from the first plain one on come through each thread's chunk loaders, the others (a short
+    // last tile, those before the first plain one, strided views) through the general copy.
     using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages>;
     using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
     const bool chunk_loads = KLoader::usable(ops.k.row) && VLoader::usable(ops.v.row) && (flags & kVectorK) &&
                              (flags & kVectorV) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
-    KLoader K_load(k + ops.base.of[kK] + ops.keys.begin * ops.k.row, ops.k.row, (int)d, K_s);
-    VLoader V_load(v + ops.base.of[kV] + ops.keys.begin * ops.v.row, ops.v.row, (int)e, V_s);
-    if (chunk_loads) {
-        K_load.zero_tail(K_s);
-        V_load.zero_tail(V_s);
-    }
+    const SweepOrder order = SweepOrder::of(ops.keys, Bc, plain_tiles(ops, Bc, left, right, true), chunk_loads,
+                                            Stages);
+    const long long chunks_from = ops.keys.begin + (long long)order.plain.lo * Bc;
+    KLoader K_load(k + ops.base.of[kK] + chunks_from * ops.k.row, ops.k.row, (int)d, K_s);
+    VLoader V_load(v + ops.base.of[kV] + chunks_from * ops.v.row, ops.v.row, (int)e, V_s);
 
-    // Key tile j0's K_j and V_j into stage `stage`, the chunk loaders' next stage `hop` stages on (StageRing).
-    const auto load_kv = [&](long long j0, int stage, int hop) {
-        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        if (chunk_loads && cols == Bc) {
+    // Key tile `tile`'s K_j and V_j into stage `stage`.
+    const auto load_kv = [&](int tile, int stage, int hop, auto steady) {
+        if (decltype(steady)::value || order.chunked(tile)) {
             K_load.next(hop);
             V_load.next(hop);
         } else {
+            const long long j0 = ops.keys.begin + (long long)tile * Bc;
+            const int cols = (int)min_ll(Bc, ops.keys.end - j0);
             load_tile_async<T, Bc, D, Smem::LDD, Threads>(K_s + stage * Bc * Smem::LDD, k + ops.base.of[kK] +
                                                           j0 * ops.k.row, ops.k.row, ops.k.col, cols, (int)d,
                                                           flags & kVectorK);
@@ -360,60 +392,63 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
 
     float dQ[MT][DT][4];
     mma::zero(dQ);
-    mma::StageRing<Stages> ring;
-    if (Stages == 2 && ops.keys.begin < ops.keys.end) load_kv(ops.keys.begin, 0, 1);
-    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc, ring.advance()) {
-        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        if (Stages == 1) {
-            __syncthreads();  // every warp is done with the previous tile's K_j and V_j
-            load_kv(j0, 0, 0);
-        }
-        ptx::cp_async_wait<0>();
-        __syncthreads();  // K_j and V_j have landed; with two stages, every warp is done with the previous tile's
-        if (Stages == 2 && j0 + Bc < ops.keys.end) load_kv(j0 + Bc, ring.before(), ring.hop_before());
-        const T* const K_j = K_s + ring.stage * Bc * Smem::LDD;
-        const T* const V_j = V_s + ring.stage * Bc * Smem::LDE;
-
+    const auto visit = [&](const int tile, const int stage, auto steady) {
+        const T* const K_j = K_s + stage * Bc * Smem::LDD;
+        const T* const V_j = V_s + stage * Bc * Smem::LDE;
         float P[MT][NT][4], dS[MT][NT][4];  // S and dP at first
         mma::product_nk<T, MT, Bc, D>(P, Q_s, K_j, warp_row, lane);
         mma::product_nk<T, MT, Bc, E>(dS, dO_s, V_j, warp_row, lane);
-        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
-        unsigned hidden[MT][2];
-        auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
+        if constexpr (decltype(steady)::value) {  // a plain tile: every pair visible, no dbias to write
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    hidden[mt][h] = 0;
-                    const int r = warp_row + 16 * mt + quad_row + 8 * h;
-                    const long long i = i0 + r;
+                    const RowTerm<float> t = terms_s[warp_row + 16 * mt + quad_row + 8 * h];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                         for (int x = 0; x < 2; ++x) {
-                            const int jj = 8 * nt + 2 * quad_col + x;
                             float& p = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
-                            if (plain)
-                                mma::plain_gradient(p, ds, shift[r], delta_s[r], scale_log2, p, ds);
-                            else if (!score_gradient(false, p, ds, shift[r], delta_s[r], scale_log2, ops, bias, mask,
-                                                     i, j0 + jj, jj, cols, n, left, right, partial, p, ds))
-                                hidden[mt][h] |= 1u << (2 * nt + x);
-                            if (!plain && (flags & kWantDbias) && r < rows && jj < cols)
-                                dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
+                            mma::plain_gradient(p, ds, t.shift, t.delta, scale_log2, p, ds);
                         }
                 }
-        };
-        if (!partial && !ops.has_bias)
-            gradients(true);
-        else
-            gradients(false);
+            mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
+            return;
+        }
+        const long long j0 = ops.keys.begin + (long long)tile * Bc;
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
+        unsigned hidden[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                hidden[mt][h] = 0;
+                const int r = warp_row + 16 * mt + quad_row + 8 * h;
+                const long long i = i0 + r;
+                const RowTerm<float> t = terms_s[r];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+                        const int jj = 8 * nt + 2 * quad_col + x;
+                        float& p = P[mt][nt][2 * h + x];
+                        float& ds = dS[mt][nt][2 * h + x];
+                        if (!score_gradient(false, p, ds, t.shift, t.delta, scale_log2, ops, bias, mask, i,
+                                            j0 + jj, jj, cols, n, left, right, partial, p, ds))
+                            hidden[mt][h] |= 1u << (2 * nt + x);
+                        if ((flags & kWantDbias) && r < rows && jj < cols)
+                            dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
+                    }
+            }
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(K_j, cols));
         if (!careful)
             mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
         else
             mma::acc_by_selection<T, Bc, D, MT>(dQ, dS, hidden, W_w, H_w, K_j, cols, lane);
-    }
+    };
+    mma::sweep<Stages>(order, load_kv, visit);
     ptx::cp_async_wait<0>();  // no key is visible: Q_i and dO_i were never waited for
     mma::store_fragments<MT, D>(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, warp_row, rows,
                                 d, lane);

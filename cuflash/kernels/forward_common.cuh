@@ -127,20 +127,55 @@ __device__ __forceinline__ long long floor_div(long long a, long long b) {  // b
     return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
-// The plain tiles of a sweep, [lo, hi): tile t holds keys [keys.begin + t Bc, + Bc), all Bc of them, each visible
-// to every row of the block's query tile by the window, with neither mask nor bias. They run the steady state,
-// which skips per-element visibility (tile_is_partial is false for each of them, and they carry no bias); the
-// range is worked out once per block, so no tile computes its own. Empty when `allowed` is false.
+// The tiles of B of the swept range [swept.begin, swept.end) that hold B elements each, all of them seen by every
+// row of [i0, i0 + rows) by the window, as [lo, hi) (tile t from swept.begin + t B). Rows and tiles are along
+// either axis: query rows against key tiles (offset = m - n), or key rows against query tiles (the transposed
+// window: offset n - m, left and right swapped).
 struct TileRange { int lo, hi; };
+__device__ __forceinline__ TileRange seen_whole(KeyRange swept, int B, long long i0, int rows, long long offset,
+                                                long long left, long long right) {
+    const long long begin = swept.begin, full = (swept.end - begin) / B;
+    // tile_fully_visible: j0 >= i1 - 1 + offset - left (from lo on) and j0 + B - 1 <= i0 + offset + right (up to hi)
+    const long long lo = max_ll(0, -floor_div(begin - (i0 + rows - 1 + offset - left), B));
+    const long long hi = min_ll(full, floor_div(i0 + offset + right - (B - 1) - begin, B) + 1);
+    return hi > lo ? TileRange{(int)lo, (int)hi} : TileRange{0, 0};
+}
+
+// The plain key tiles of a forward sweep, [lo, hi): all Bc keys, each visible to every row of the block's query
+// tile by the window, with neither mask nor bias. They run the steady state, which skips per-element visibility
+// (tile_is_partial is false for each of them, and they carry no bias); the range is worked out once per block, so
+// no tile computes its own. Empty when `allowed` is false.
 __device__ __forceinline__ TileRange plain_tiles(const BlockOperands& ops, int Bc, long long left, long long right,
                                                  bool allowed) {
     if (!allowed || ops.has_mask || ops.has_bias) return {0, 0};
-    const long long begin = ops.keys.begin, full = (ops.keys.end - begin) / Bc;
-    // tile_fully_visible: j0 >= i1 - 1 + offset - left (from lo on) and j0 + Bc - 1 <= i0 + offset + right (up to hi)
-    const long long lo = max_ll(0, -floor_div(begin - (ops.i0 + ops.rows - 1 + ops.offset - left), Bc));
-    const long long hi = min_ll(full, floor_div(ops.i0 + ops.offset + right - (Bc - 1) - begin, Bc) + 1);
-    return hi > lo ? TileRange{(int)lo, (int)hi} : TileRange{0, 0};
+    return seen_whole(ops.keys, Bc, ops.i0, ops.rows, ops.offset, left, right);
 }
+
+// The order of a block's sweep over the tiles of B along its swept axis (the forward's and bwd_mma_dq's key tiles,
+// bwd_mma_dkdv's query tiles): from the first plain tile on, then those before it (a window's edge); visit t is
+// tile at(t). The sums over the swept tiles may take them in any order, and this one, fixed for a block, puts the
+// steady visits first: plain tiles whose copies, and those of the tile Stages - 1 visits on, are whole tiles for
+// each thread's chunk loaders (tiles in order from the first plain one on; `chunked`), so a loop compiled apart
+// runs them without visibility, masks, biases, checks or choices of copy.
+struct SweepOrder {
+    int tiles, full;   // tiles, and those holding all B elements (the first ones)
+    TileRange plain;
+    int steady;        // visits of the steady loop
+    bool chunk_loads;  // whether whole tiles take the chunk loaders (16-byte rows the loaders can address)
+
+    __device__ __forceinline__ static SweepOrder of(KeyRange swept, int B, TileRange plain, bool chunk_loads,
+                                                    int Stages) {
+        const int full = (int)((swept.end - swept.begin) / B);
+        const int steady = chunk_loads ? max(0, min(plain.hi, full - (Stages - 1)) - plain.lo) : 0;
+        return {(int)((swept.end - swept.begin + B - 1) / B), full, plain, steady, chunk_loads};
+    }
+    __device__ __forceinline__ int at(int t) const {
+        return t < tiles - plain.lo ? plain.lo + t : t - (tiles - plain.lo);
+    }
+    __device__ __forceinline__ bool chunked(int tile) const {
+        return chunk_loads && tile >= plain.lo && tile < full;
+    }
+};
 
 // The output's type: T, or the accumulator's for the partial results of split keys.
 template <typename T, bool Split> struct OutOf { using type = T; };

@@ -34,14 +34,10 @@
 
 namespace cuflash {
 
-// What a block's sweep needs to know of the launch: its view (BlockOperands), its key tiles, those with all Bc keys,
-// the plain ones among them, whether full tiles take the chunk loaders, and the visits of the steady loop.
+// What a block's sweep needs to know of the launch: its view (BlockOperands) and the order of its key tiles.
 struct Sweep {
     BlockOperands ops;
-    int tiles, full_tiles;
-    TileRange plain;
-    bool chunk_loads;
-    int steady;
+    SweepOrder order;
 };
 
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Stages K and V tiles, then the Q tile, whose
@@ -115,28 +111,19 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const bool positive_scale = scale_log2 > Acc(0) && scale_log2 < infinity<Acc>();
         const bool chunk_loads = KLoader::usable(o.k.row) && VLoader::usable(o.v.row) && (flags & kVectorK) &&
                                  (flags & kVectorV) && d % chunk_pad<T>() == 0 && e % chunk_pad<T>() == 0;
-        const int full_tiles = (int)((o.keys.end - o.keys.begin) / Bc);
         const TileRange plain = plain_tiles(o, Bc, left, right, positive_scale);
-        // Steady visits: plain tiles whose prefetch is a full tile for the chunk loaders.
-        const int steady = chunk_loads ? max(0, min(plain.hi, full_tiles - (Stages - 1)) - plain.lo) : 0;
-        new (smem + Smem::sweep_offset) Sweep{o, (int)((o.keys.end - o.keys.begin + Bc - 1) / Bc), full_tiles,
-                                              plain, chunk_loads, steady};
+        new (smem + Smem::sweep_offset) Sweep{o, SweepOrder::of(o.keys, Bc, plain, chunk_loads, Stages)};
     }
     __syncthreads();
     const Sweep& sweep = *reinterpret_cast<const Sweep*>(smem + Smem::sweep_offset);
     const BlockOperands& ops = sweep.ops;
     const long long& i0 = ops.i0;
     const KeyRange& keys = ops.keys;
-    const int &rows = ops.rows, &tiles = sweep.tiles, &full_tiles = sweep.full_tiles;
-    const TileRange& plain = sweep.plain;
-    const bool& chunk_loads = sweep.chunk_loads;
+    const SweepOrder& order = sweep.order;
+    const int &rows = ops.rows, &tiles = order.tiles;
+    const TileRange& plain = order.plain;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // first row of this warp's m16 tiles within Q_i
-
-    // The sweep visits the tiles from the first plain one on, then those before it (a window's left edge):
-    // visit t is tile tile_at(t). The online softmax may take the tiles in any order, and this one puts the
-    // steady tiles first, in a loop of their own (below).
-    const auto tile_at = [&](int t) { return t < tiles - plain.lo ? plain.lo + t : t - (tiles - plain.lo); };
 
     // K_j and V_j of key tile `tile` into pipeline stage `stage`: full tiles of 16-byte rows from the first plain
     // one on by each thread's chunk loaders (tiles in order), the others (a short last tile, the tiles before the
@@ -144,12 +131,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const long long chunks_from = keys.begin + (long long)plain.lo * Bc;
     KLoader K_load(k + ops.base.of[kK] + chunks_from * ops.k.row, ops.k.row, (int)d, K_s);
     VLoader V_load(v + ops.base.of[kV] + chunks_from * ops.v.row, ops.v.row, (int)e, V_s);
-    if (chunk_loads) {
-        K_load.zero_tail(K_s);
-        V_load.zero_tail(V_s);
-    }
     auto load_kv = [&](int tile, int stage, int hop) {
-        if (chunk_loads && tile >= plain.lo && tile < full_tiles) {
+        if (order.chunked(tile)) {
             K_load.next(hop);
             V_load.next(hop);
             return;
@@ -170,7 +153,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     ptx::cp_async_commit();
 #pragma unroll
     for (int s = 0; s < Stages - 1; ++s) {
-        if (s < tiles) load_kv(tile_at(s), s, 1);
+        if (s < tiles) load_kv(order.at(s), s, 1);
         ptx::cp_async_commit();
     }
     ptx::cp_async_wait<Stages - 1>();
@@ -220,7 +203,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             K_load.next(ring.hop_before());
             V_load.next(ring.hop_before());
         } else if (t + Stages - 1 < tiles) {
-            load_kv(tile_at(t + Stages - 1), ring.before(), ring.hop_before());
+            load_kv(order.at(t + Stages - 1), ring.before(), ring.hop_before());
         }
         ptx::cp_async_commit();  // possibly empty: keeps the group count the wait above relies on
         if (Math::kPrepare) {    // float: K_j and V_j split (or rounded) to TF32 once, for every warp
@@ -320,7 +303,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // hidden keys become -inf by selection, and their bits are kept for the rare CUDA-core P V. Only partial tiles
     // and a bias pay per element.
     auto other_tile = [&](const int t, const mma::StageRing<Stages>& ring) {
-        const int tile = tile_at(t);
+        const int tile = order.at(t);
         begin_tile(t, ring, mma::Steady<false>{});
         T* const V_stage = V_s + ring.stage * Bc * Smem::LDV;
         // Tile-wide: whether the tile is plain, its keys, and whether a hidden key's value row holds inf or NaN
@@ -386,7 +369,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // (rescale), and come back: the rescale stays out of the hot loop.
     int t = 0;
     mma::StageRing<Stages> ring;
-    if (sweep.steady > 0) {
+    if (order.steady > 0) {
         Acc S[MT][NT][4], m_old[MT][2];
         begin_tile(t, ring, mma::Steady<true>{});
         scores(S, 0);
@@ -400,7 +383,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 Math::template pv<Smem::LDV, MT, NT, ET>(O_i, S, V_j, kLoBytes);
                 V_j = V_j + ring.hop * (int)Smem::v_stage;
                 ring.advance();
-                if (t == sweep.steady) goto steady_done;
+                if (t == order.steady) goto steady_done;
                 begin_tile(t, ring, mma::Steady<true>{});
                 scores(S, 0);
                 K_j = K_j + ring.hop * (int)Smem::k_stage;

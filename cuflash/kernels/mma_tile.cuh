@@ -98,19 +98,20 @@ template <bool V> struct Steady { static constexpr bool value = V; };
 // very chunks load_tile_async gives it: Threads is a multiple of the chunks per row), so its global pointer
 // advances by a tile's rows per call and its shared addresses by a stage. Only whole chunks: the operand's width
 // `cols` is a multiple of 8 (and the copies 16-byte ones: unit column stride, aligned rows, as the launch checked);
-// a thread whose column lies past it copies nothing, its chunks zeroed once in every stage (zero_tail). A chunk's
-// offset from the thread's first one is a 32-bit number (one multiply-add per address), so the loaders take only
-// operands whose tile spans fewer than 2^31 elements (usable); the general copy takes the others.
+// a thread whose column lies past it reads nothing and fills its chunks with zeros (the copy's zero-fill: no
+// branch around the copies). A chunk's offset from the thread's first one is a 32-bit number (one multiply-add
+// per address), so the loaders take only operands whose tile spans fewer than 2^31 elements (usable); the
+// general copy takes the others.
 template <typename T, int Rows, int Cols, int Threads, int Stages, int LD = Padded<Cols, T>::ld>
 struct ChunkLoader {
     static constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     static constexpr bool kFits = Threads % ChunksPerRow == 0 && Rows % (Threads / ChunksPerRow) == 0;
     static constexpr int Step = Threads / ChunksPerRow, PerThread = kFits ? Rows / Step : 0;
     static constexpr int kStepBytes = Step * LD * (int)sizeof(T), kStageBytes = Rows * LD * (int)sizeof(T);
-    const T* src;         // this thread's first chunk of the next tile
+    const T* src;         // this thread's first chunk of the next tile (its row's first where its column is a tail's)
     int step;             // elements between its chunks (PerThread steps between tiles)
     ptx::SharedAddr dst;  // where that chunk goes: in the stage of the next tile
-    bool active;          // its column lies within the operand's width
+    int bytes;            // bytes read per chunk: 16, or 0 where its column lies past the operand's width
 
     __device__ __forceinline__ static bool usable(long long row_stride) {
         constexpr long long kMost = 0x7fffffffLL / Rows;
@@ -119,27 +120,16 @@ struct ChunkLoader {
 
     __device__ __forceinline__ ChunkLoader(const T* first_row, long long row_stride, int cols, const T* tile) {
         const int r = threadIdx.x / ChunksPerRow, c = threadIdx.x % ChunksPerRow * kChunk;
-        active = c < cols;
-        src = first_row + r * row_stride + (active ? c : 0);
+        bytes = c < cols ? 16 : 0;
+        src = first_row + r * row_stride + (bytes ? c : 0);
         step = (int)(Step * row_stride);
         dst = ptx::shared_addr(tile + r * LD + c);
-    }
-    // Zeros in this thread's chunks of every stage of `tile` when its column is a tail's.
-    __device__ __forceinline__ void zero_tail(T* tile) const {
-        if (active) return;
-        const int r = threadIdx.x / ChunksPerRow, c = threadIdx.x % ChunksPerRow * kChunk;
-        for (int st = 0; st < Stages; ++st)
-            for (int s = 0; s < PerThread; ++s)
-                *reinterpret_cast<Chunk16*>(tile + st * Rows * LD + (r + s * Step) * LD + c) = Chunk16{};
     }
     // The next tile's chunks into their stage as cp.async copies (they land at the covering wait); `hop`: the
     // stages from there to the following tile's (StageRing).
     __device__ __forceinline__ void next(int hop = 0) {
-        if (active) {
 #pragma unroll
-            for (int s = 0; s < PerThread; ++s)
-                ptx::cp_async_cg16_whole(dst + s * kStepBytes, src + (long long)step * s);
-        }
+        for (int s = 0; s < PerThread; ++s) ptx::cp_async_cg16(dst + s * kStepBytes, src + (long long)step * s, bytes);
         src += (long long)step * PerThread;
         dst = dst + hop * kStageBytes;
     }

@@ -380,6 +380,7 @@ CUFLASH_LDMATRIX(ldmatrix_x4_trans, 4, true,
   }
 #endif
 CUFLASH_CP_ASYNC(cp_async_cg16, "cg", 16)  // .cg (L2 only) exists for 16 bytes alone
+CUFLASH_CP_ASYNC(cp_async_ca8, "ca", 8)
 
 // The same copy of 16 whole bytes, without the source size (nothing to zero-fill, nothing to compute).
 __device__ __forceinline__ void cp_async_cg16_whole(SharedAddr smem, const void* gmem CUFLASH_PTX_CALLER) {

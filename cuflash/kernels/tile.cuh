@@ -71,8 +71,9 @@ template <int TC, typename A> __device__ __forceinline__ A lanes_sum(A x) {
 // compiler. Broadcast dimensions have stride 0; nothing is flattened by copying.
 
 constexpr int kMaxBatchDims = 6;
-// The forward's operands, then the backward's (dout, D_i = rowsum(dO * O), the gradients): one table serves both.
-enum Operand { kQ = 0, kK, kV, kMask, kBias, kOut, kLse, kDout, kDelta, kDq, kDk, kDv, kDbias, kOperands };
+// The forward's operands, then the backward's (dout, the row terms: the lse in the log2 domain and D_i =
+// rowsum(dO * O) per query row; the gradients): one table serves both.
+enum Operand { kQ = 0, kK, kV, kMask, kBias, kOut, kLse, kDout, kTerms, kDq, kDk, kDv, kDbias, kOperands };
 
 struct OperandStrides {
     long long row, col;               // along n (or m) and along d (or e, or m for mask and bias)
