@@ -241,15 +241,15 @@ def _backward_family(kind: str) -> Family:
 
     def shared_memory_bytes(shape: Shape, config: BlockConfig) -> int:
         """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk), two float row terms per query (the swept tiles
-        and those terms once per stage), and each warp's scratch: 16 rows of the swept width + 1 floats and 16 x 4
-        words. Mirrors MmaBackwardShared."""
+        and those terms once per stage), each warp's scratch: 16 rows of the swept width + 1 floats and 16 x 4
+        words, and last the block's Sweep. Mirrors MmaBackwardShared."""
         D, E = bucket(shape.d), bucket(shape.e)
         swept = own_and_swept(config)[1]
         q_stages, k_stages = (config.stages, 1) if keys_own else (1, config.stages)
         tiles = sum(stages * align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM))
                     for stages, rows in ((q_stages, config.Br), (k_stages, config.Bc)) for width in (D, E))
         scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
-        return tiles + q_stages * align16(4 * 2 * config.Br) + scratch
+        return tiles + q_stages * align16(4 * 2 * config.Br) + scratch + SWEEP_BYTES
 
     def accumulator_words(shape: Shape, config: BlockConfig) -> int:
         """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients."""

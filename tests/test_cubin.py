@@ -229,3 +229,30 @@ def test_backward_shared_memory_model_matches_the_kernel():
                     layouts[f"{args}, {keys_own}, {config.stages}"] = \
                         family.shared_memory_bytes(Workload(dtype, d, e), config)
         nvrtc.check_shared_layout(family, layouts)
+
+
+@pytest.mark.parametrize("arch", sorted(GPUS))
+def test_backward_steady_loops_hold_the_hot_path(arch):
+    """bench/sass_report.py on the backward's SASS: the swept-tile loop it counts is the steady loop, compiled
+    apart from the tiles that need visibility, masks, biases or checks, so its span (every instruction in it) stays
+    near the steady path (it was 40 to 80 instructions per HMMA with the cold paths inside), and each tile runs
+    all of its products (three in dQ's kernel, four in dK dV's) on tensor cores and its copies through cp.async."""
+    from bench import sass_report
+
+    built = build_backward(arch)
+    for workload, plan in chosen_backward(arch):
+        report = sass_report.analyze(built[plan.name][0], plan)
+        path, span = sass_report.classes(report.path), sass_report.classes(report.span)
+        own, swept = (plan.config.Bc, plan.config.Br) if plan.family.kind == "dkdv" else \
+            (plan.config.Br, plan.config.Bc)
+        D, E = plan.family.buckets(workload, plan.config)
+        mt = own // (16 * plan.config.warps)
+        # S and dP over the head dims (n8 tiles of swept columns), then dQ (or dV and dK) over the swept tile
+        grads = (E, D) if plan.family.kind == "dkdv" else (D,)
+        expected = mt * (swept // 8 * (D + E) // 16 + sum(width // 8 for width in grads) * swept // 16)
+        assert path["tensor"] == expected, (plan.name, path["tensor"], expected)
+        assert path["tensor"] == span["tensor"] > 0, plan.name
+        assert path["local"] == 0 and path["cp_async"] > 0, plan.name
+        path_total, span_total = sum(report.path.values()), sum(report.span.values())
+        assert span_total <= 1.5 * path_total, (plan.name, path_total, span_total)
+        assert span_total <= 12 * span["tensor"], (plan.name, span_total, span["tensor"])

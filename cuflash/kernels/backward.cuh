@@ -94,22 +94,27 @@ __device__ __forceinline__ KeyRange query_range(long long j0, long long j1, long
     return {begin, max_ll(begin, end)};
 }
 
-// The query rows [i0, i0 + rows)'s row terms into `dst` (Br pairs in shared memory; rows past `rows` get 0), as
-// cp.async copies (Async: they land at the covering wait) or plain loads and stores. `src`: the batch item's terms,
-// `row_stride` elements from a row's pair to the next's.
+// The row terms of query rows [i0, i0 + rows) into `dst` (Br pairs in shared memory; rows past `rows` get 0), as
+// cp.async copies (Async: they land at the covering wait) or plain loads and stores. `terms`: the batch item's
+// pairs, one after the other along n (the launch writes them so: launch.row_terms).
 template <int Br, int Threads, bool Async, typename Acc>
-__device__ __forceinline__ void load_row_terms(RowTerm<Acc>* dst, const Acc* src, long long row_stride, long long i0,
-                                               int rows) {
+__device__ __forceinline__ void load_row_terms(RowTerm<Acc>* dst, const RowTerm<Acc>* terms, long long i0, int rows) {
     for (int r = threadIdx.x; r < Br; r += Threads) {
         const bool valid = r < rows;
-        const Acc* from = src + (valid ? (i0 + r) * row_stride : 0);  // nothing is read where !valid
+        const RowTerm<Acc>* from = terms + (valid ? i0 + r : 0);  // nothing is read where !valid
         if constexpr (!Async)
-            dst[r] = valid ? *reinterpret_cast<const RowTerm<Acc>*>(from) : RowTerm<Acc>{};
+            dst[r] = valid ? *from : RowTerm<Acc>{};
         else if constexpr (sizeof(RowTerm<Acc>) == 8)
             ptx::cp_async_ca8(dst + r, from, valid ? 8 : 0);
         else
             ptx::cp_async_cg16(dst + r, from, valid ? 16 : 0);
     }
+}
+
+// The batch item's row terms (a kernel's `terms` operand: pairs along n, their batch offset in the geometry table).
+template <typename Acc>
+__device__ __forceinline__ const RowTerm<Acc>* row_terms_of(const Acc* terms, const BatchOffsets& base) {
+    return reinterpret_cast<const RowTerm<Acc>*>(terms + base.of[kTerms]);
 }
 
 // P_ij and dS_ij of one (query, key) pair from its raw score S = q_i . k_j and dP = dO_i . v_j: visibility, scale
@@ -176,14 +181,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
     const int rows = ops.rows;
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
     const OperandStrides &gdo = g.op[kDout], &gdq = g.op[kDq], &gdb = g.op[kDbias];
-    const Acc* const terms_b = terms + ops.base.of[kTerms];
-    const long long terms_row = g.op[kTerms].row;
+    const RowTerm<Acc>* const terms_b = row_terms_of(terms, ops.base);
 
     load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
                                             (int)d, flags & kVectorQ);
     load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col, rows,
                                             (int)e, flags & kVectorDout);
-    load_row_terms<Br, Threads, false>(s.terms, terms_b, terms_row, i0, rows);
+    load_row_terms<Br, Threads, false>(s.terms, terms_b, i0, rows);
 
     // Two stages: the next key tile's K and V are copied (cp.async) into the other stage while this one is computed.
     const auto load_kv_async = [&](long long j0, int stage) {
@@ -280,8 +284,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                       (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
     const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
-    const Acc* const terms_b = terms + ops.base.of[kTerms];
-    const long long terms_row = g.op[kTerms].row;
+    const RowTerm<Acc>* const terms_b = row_terms_of(terms, ops.base);
 
     load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
                                             (int)d, flags & kVectorK);
@@ -297,7 +300,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                                                             ops.q.col, rows, (int)d, flags & kVectorQ);
         load_tile_async<T, Br, E, Smem::LDE, Threads, true>(swept.dO, dout + ops.base.of[kDout] + i0 * gdo.row,
                                                             gdo.row, gdo.col, rows, (int)e, flags & kVectorDout);
-        load_row_terms<Br, Threads, true>(swept.terms, terms_b, terms_row, i0, rows);
+        load_row_terms<Br, Threads, true>(swept.terms, terms_b, i0, rows);
         ptx::cp_async_commit();
     };
     if constexpr (Stages == 2)
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
                                                     rows, (int)d, flags & kVectorQ);
             load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
                                                     gdo.col, rows, (int)e, flags & kVectorDout);
-            load_row_terms<Br, Threads, false>(s.terms, terms_b, terms_row, i0, rows);
+            load_row_terms<Br, Threads, false>(s.terms, terms_b, i0, rows);
             __syncthreads();
         }
 

@@ -32,7 +32,7 @@ namespace cuflash {
 
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
 // query tile's row terms (RowTerm), and each warp's scratch for the rare CUDA-core product (16 rows of the swept
-// tile's width + 1 floats, and 16 x 4 words of hidden bits). KeysOwn: bwd_mma_dkdv's layout. Stages: buffers of
+// tile's width + 1 floats, and 16 x 4 words of hidden bits), and last the block's Sweep. KeysOwn: bwd_mma_dkdv's layout. Stages: buffers of
 // the swept tiles (bwd_mma_dq's K_j and V_j; bwd_mma_dkdv's Q_i, dO_i and their row terms).
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn, int Stages = 1>
 struct MmaBackwardShared {
@@ -46,7 +46,8 @@ struct MmaBackwardShared {
     static constexpr size_t rows_offset = v_offset + KStages * align16(sizeof(T) * Bc * LDE);
     static constexpr size_t w_offset = rows_offset + QStages * align16(sizeof(float) * 2 * Br);
     static constexpr size_t h_offset = w_offset + align16(sizeof(float) * Warps * 16 * LDW);
-    static constexpr size_t bytes = h_offset + align16(sizeof(unsigned) * Warps * 16 * 4);
+    static constexpr size_t sweep_offset = h_offset + align16(sizeof(unsigned) * Warps * 16 * 4);
+    static constexpr size_t bytes = sweep_offset + align16(sizeof(Sweep));
 };
 
 namespace mma {
@@ -202,12 +203,29 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
     const long long j0 = blockIdx.x * (long long)Bc, offset = m - n;
     const int keys = (int)min_ll(Bc, m - j0);
     const KeyRange queries = query_range(j0, j0 + keys, n, offset, left, right);
-    BlockOperands ops{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK], g.op[kV],
-                      g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset, (flags & kHasMask) != 0,
-                      (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
     const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
-    const float* const terms_b = terms + ops.base.of[kTerms];
-    const long long terms_row = g.op[kTerms].row;
+    // The block's view of the launch (its query tile the first swept one) and its sweep, worked out by one thread
+    // and read from shared memory where used (Sweep). The plain query tiles see every key of the block (all Bc
+    // of them; the window transposed: seen_whole), with neither mask nor bias. Whole query tiles of 16-byte rows
+    // from the first plain one on come through each thread's chunk loaders, the others (a short last tile, those
+    // before the first plain one, strided views) through the general copy.
+    using QLoader = mma::ChunkLoader<T, Br, D, Threads, Stages>;
+    using OLoader = mma::ChunkLoader<T, Br, E, Threads, Stages>;
+    if (threadIdx.x == 0) {
+        const BlockOperands o{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK],
+                              g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset,
+                              (flags & kHasMask) != 0, (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
+        const bool chunk_loads = QLoader::usable(o.q.row) && OLoader::usable(gdo.row) && (flags & kVectorQ) &&
+                                 (flags & kVectorDout) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
+        const TileRange plain = o.has_mask || o.has_bias || keys < Bc
+                                    ? TileRange{0, 0} : seen_whole(queries, Br, j0, keys, -offset, right, left);
+        new (smem + Smem::sweep_offset) Sweep{o, SweepOrder::of(queries, Br, plain, chunk_loads, Stages)};
+    }
+    __syncthreads();
+    const Sweep& sweep = *reinterpret_cast<const Sweep*>(smem + Smem::sweep_offset);
+    const BlockOperands& ops = sweep.ops;
+    const SweepOrder& order = sweep.order;
+    const RowTerm<float>* const terms_b = row_terms_of(terms, ops.base);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // this warp's first key row within the tile
     float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
@@ -219,18 +237,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                                                   (int)e, flags & kVectorV);
     ptx::cp_async_commit();
 
-    // The plain query tiles see every key of the block (all Bc of them; the window transposed: seen_whole), with
-    // neither mask nor bias. Whole query tiles of 16-byte rows from the first plain one on come through each
-    // thread's chunk loaders, the others (a short last tile, those before the first plain one, strided views)
-    // through the general copy.
-    using QLoader = mma::ChunkLoader<T, Br, D, Threads, Stages>;
-    using OLoader = mma::ChunkLoader<T, Br, E, Threads, Stages>;
-    const bool chunk_loads = QLoader::usable(ops.q.row) && OLoader::usable(gdo.row) && (flags & kVectorQ) &&
-                             (flags & kVectorDout) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
-    const TileRange plain = ops.has_mask || ops.has_bias || keys < Bc
-                                ? TileRange{0, 0} : seen_whole(queries, Br, j0, keys, -offset, right, left);
-    const SweepOrder order = SweepOrder::of(queries, Br, plain, chunk_loads, Stages);
-    const long long chunks_from = queries.begin + (long long)plain.lo * Br;
+    const long long chunks_from = queries.begin + (long long)order.plain.lo * Br;
     QLoader Q_load(q + ops.base.of[kQ] + chunks_from * ops.q.row, ops.q.row, (int)d, Q_s);
     OLoader dO_load(dout + ops.base.of[kDout] + chunks_from * gdo.row, gdo.row, (int)e, dO_s);
 
@@ -249,7 +256,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                                                           i0 * gdo.row, gdo.row, gdo.col, rows, (int)e,
                                                           flags & kVectorDout);
         }
-        load_row_terms<Br, Threads, true>(terms_s + stage * Br, terms_b, terms_row, i0, rows);
+        load_row_terms<Br, Threads, true>(terms_s + stage * Br, terms_b, i0, rows);
         ptx::cp_async_commit();
     };
 
@@ -283,9 +290,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
         }
         const long long i0 = queries.begin + (long long)tile * Br;
         const int rows = (int)min_ll(Br, queries.end - i0);
-        ops.i0 = i0;
-        ops.rows = rows;
-        const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
+        const bool partial = tile_is_partial(ops, i0, rows, j0, keys, Bc, left, right);
         unsigned hidden[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -307,8 +312,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
                             hidden[mt][h] |= 1u << (2 * nt + x);
                     }
             }
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(Q_i, rows) ||
-                                                         mma::tile_nonfinite<T, E, Threads>(dO_i, rows));
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Br, D, Threads>(Q_i, rows) ||
+                                                         mma::tile_nonfinite<T, Br, E, Threads>(dO_i, rows));
         if (!careful) {
             mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
             mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
@@ -343,10 +348,26 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
     const long long b = batch_item();
     if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands<Br, false>(g, b, n, m, left, right, flags);
-    const long long i0 = ops.i0;
-    const int rows = ops.rows;
     const OperandStrides &gdo = g.op[kDout], &gdq = g.op[kDq], &gdb = g.op[kDbias];
+    // The block's view of the launch and its sweep, worked out by one thread and read from shared memory where
+    // used (Sweep). The plain key tiles: plain_tiles (full, seen by every query of the block, no mask or bias).
+    // Whole key tiles of 16-byte rows from the first plain one on come through each thread's chunk loaders, the
+    // others (a short last tile, those before the first plain one, strided views) through the general copy.
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
+    if (threadIdx.x == 0) {
+        const BlockOperands o = block_operands<Br, false>(g, b, n, m, left, right, flags);
+        const bool chunk_loads = KLoader::usable(o.k.row) && VLoader::usable(o.v.row) && (flags & kVectorK) &&
+                                 (flags & kVectorV) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
+        new (smem + Smem::sweep_offset)
+            Sweep{o, SweepOrder::of(o.keys, Bc, plain_tiles(o, Bc, left, right, true), chunk_loads, Stages)};
+    }
+    __syncthreads();
+    const Sweep& sweep = *reinterpret_cast<const Sweep*>(smem + Smem::sweep_offset);
+    const BlockOperands& ops = sweep.ops;
+    const SweepOrder& order = sweep.order;
+    const long long& i0 = ops.i0;
+    const int& rows = ops.rows;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // this warp's first query row within the tile
     float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
@@ -356,18 +377,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
                                                   (int)d, flags & kVectorQ);
     load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
                                                   rows, (int)e, flags & kVectorDout);
-    load_row_terms<Br, Threads, true>(terms_s, terms + ops.base.of[kTerms], g.op[kTerms].row, i0, rows);
+    load_row_terms<Br, Threads, true>(terms_s, row_terms_of(terms, ops.base), i0, rows);
     ptx::cp_async_commit();
 
-    // The plain key tiles (plain_tiles: full, seen by every query of the block, no mask or bias). Whole key tiles
-    // of 16-byte rows from the first plain one on come through each thread's chunk loaders, the others (a short
-    // last tile, those before the first plain one, strided views) through the general copy.
-    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages>;
-    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
-    const bool chunk_loads = KLoader::usable(ops.k.row) && VLoader::usable(ops.v.row) && (flags & kVectorK) &&
-                             (flags & kVectorV) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
-    const SweepOrder order = SweepOrder::of(ops.keys, Bc, plain_tiles(ops, Bc, left, right, true), chunk_loads,
-                                            Stages);
     const long long chunks_from = ops.keys.begin + (long long)order.plain.lo * Bc;
     KLoader K_load(k + ops.base.of[kK] + chunks_from * ops.k.row, ops.k.row, (int)d, K_s);
     VLoader V_load(v + ops.base.of[kV] + chunks_from * ops.v.row, ops.v.row, (int)e, V_s);
@@ -442,7 +454,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
                             dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
                     }
             }
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, D, Threads>(K_j, cols));
+        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads>(K_j, cols));
         if (!careful)
             mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
         else

@@ -115,12 +115,18 @@ __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, l
     return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
 }
 
-// Whether a tile pays for per-element visibility (visible_score's partial): it straddles the window, carries a
-// mask or a bias that may hide, or ends early (cols < Bc). Full tiles of neither kind skip all of it.
+// Whether a tile of query rows [i0, i0 + rows) x keys [j0, j0 + cols) pays for per-element visibility
+// (visible_score's partial): it straddles the window, carries a mask or a bias that may hide, or ends early
+// (cols < Bc). Full tiles of neither kind skip all of it.
+__device__ __forceinline__ bool tile_is_partial(const BlockOperands& ops, long long i0, int rows, long long j0,
+                                                int cols, int Bc, long long left, long long right) {
+    return ops.has_mask || ops.bias_hides || cols < Bc ||
+           !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
+}
+// The same for a key tile of the block's query tile.
 __device__ __forceinline__ bool tile_is_partial(const BlockOperands& ops, long long j0, int cols, int Bc,
                                                 long long left, long long right) {
-    return ops.has_mask || ops.bias_hides || cols < Bc ||
-           !tile_fully_visible(ops.i0, ops.i0 + ops.rows, j0, j0 + cols, ops.offset, left, right);
+    return tile_is_partial(ops, ops.i0, ops.rows, j0, cols, Bc, left, right);
 }
 
 __device__ __forceinline__ long long floor_div(long long a, long long b) {  // b > 0
@@ -175,6 +181,14 @@ struct SweepOrder {
     __device__ __forceinline__ bool chunked(int tile) const {
         return chunk_loads && tile >= plain.lo && tile < full;
     }
+};
+
+// What a tensor-core block's sweep needs to know of the launch, worked out by one thread and read from shared
+// memory where used (cuflash/tensorcore.py's SWEEP_BYTES): its view (BlockOperands) and the order of its swept
+// tiles. Kept in registers through the steady loop, they would take those the largest tiles need.
+struct Sweep {
+    BlockOperands ops;
+    SweepOrder order;
 };
 
 // The output's type: T, or the accumulator's for the partial results of split keys.

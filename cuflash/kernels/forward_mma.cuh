@@ -34,12 +34,6 @@
 
 namespace cuflash {
 
-// What a block's sweep needs to know of the launch: its view (BlockOperands) and the order of its key tiles.
-struct Sweep {
-    BlockOperands ops;
-    SweepOrder order;
-};
-
 // Shared memory of one block (cuflash/tensorcore.py mirrors it): Stages K and V tiles, then the Q tile, whose
 // space the epilogue reuses for O; P's scratch (the rare CUDA-core P V) shares it too when Q sits in registers.
 // Lo (3xTF32): a copy of the K, V and Q regions after it all, lo_offset bytes on, for their operands' low parts.
@@ -314,7 +308,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         const long long j0 = keys.begin + (long long)tile * Bc;
         const int cols = plain_tile ? Bc : (int)min_ll(Bc, keys.end - j0);
         const bool partial = !plain_tile && tile_is_partial(ops, j0, cols, Bc, left, right);
-        const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, E, Threads, Smem::LDV>(V_stage, cols));
+        const bool careful =
+            partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, E, Threads, Smem::LDV>(V_stage, cols));
         constexpr int Parts = Smem::kParts, Bp = Bc / Parts, NP = Bp / 8;
 #pragma unroll 1
         for (int part = 0; part < Parts; ++part) {

@@ -119,7 +119,8 @@ struct ChunkLoader {
     }
 
     __device__ __forceinline__ ChunkLoader(const T* first_row, long long row_stride, int cols, const T* tile) {
-        const int r = threadIdx.x / ChunksPerRow, c = threadIdx.x % ChunksPerRow * kChunk;
+        const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(threadIdx.x);
+        const int c = threadIdx.x % ChunksPerRow * kChunk;
         bytes = c < cols ? 16 : 0;
         src = first_row + r * row_stride + (bytes ? c : 0);
         step = (int)(Step * row_stride);
@@ -307,15 +308,12 @@ template <int Passes> struct FwdMath<float, Passes> {
     __device__ static void prepare(T* tile, int lo_bytes) {
         for (int idx = threadIdx.x; idx < Rows * (Cols / 4); idx += Threads) {
             float* at = tile + idx / (Cols / 4) * LD + idx % (Cols / 4) * 4;
-            const uint4 raw = *reinterpret_cast<const uint4*>(at);  // 16-byte accesses, as uint4 copies
-            const float* x = reinterpret_cast<const float*>(&raw);
-            uint4 hi, lo;
-            split_tf32(x[0], hi.x, lo.x);
-            split_tf32(x[1], hi.y, lo.y);
-            split_tf32(x[2], hi.z, lo.z);
-            split_tf32(x[3], hi.w, lo.w);
-            *reinterpret_cast<uint4*>(at) = hi;
-            if (Passes == 3) *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(at) + lo_bytes) = lo;
+            const Chunk16 raw = *reinterpret_cast<const Chunk16*>(at);  // 16-byte accesses, as Chunk16 copies
+            Chunk16 hi, lo;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) split_tf32(__uint_as_float(raw.word[w]), hi.word[w], lo.word[w]);
+            *reinterpret_cast<Chunk16*>(at) = hi;
+            if (Passes == 3) *reinterpret_cast<Chunk16*>(reinterpret_cast<unsigned char*>(at) + lo_bytes) = lo;
         }
     }
     template <int LD> __device__ static void load_a(AFrag& a, QAddr at, int row0, int col0, int lo_bytes) {
@@ -445,15 +443,17 @@ template <typename A> __device__ __forceinline__ A quad_sum(A x) {
 // ---------------------------------------------------------------------------------------------------------------
 // The rare path: hidden keys whose value rows hold inf or NaN.
 
-// Whether the first `rows` rows of a padded tile (V_j in the forward) hold an inf or NaN (rows past `rows` and
-// columns past the operand's width are zeros).
-template <typename T, int Cols, int Threads, int LD = Padded<Cols, T>::ld>
+// Whether the first `rows` rows of a padded Rows-row tile (V_j in the forward) hold an inf or NaN (rows past `rows`
+// and columns past the operand's width are zeros).
+template <typename T, int Rows, int Cols, int Threads, int LD = Padded<Cols, T>::ld>
 __device__ __forceinline__ bool tile_nonfinite(const T* tile, int rows) {
     constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     bool found = false;
-    for (int idx = threadIdx.x; idx < rows * ChunksPerRow; idx += Threads) {
-        const T* chunk = tile + (idx / ChunksPerRow) * LD + (idx % ChunksPerRow) * kChunk;
-        found = found || chunk_nonfinite(*reinterpret_cast<const Chunk16*>(chunk), T{});
+    for (int idx = threadIdx.x; idx < (rows + 7) / 8 * 8 * ChunksPerRow; idx += Threads) {  // whole groups of 8 rows
+        const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(idx);
+        if (r >= rows) continue;
+        const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(tile + r * LD + (idx % ChunksPerRow) * kChunk);
+        found = found || chunk_nonfinite(chunk, T{});
     }
     return found;
 }
@@ -550,7 +550,7 @@ __device__ __forceinline__ void store_tile(T* dst, long long row_stride, long lo
     const bool vector = col_stride == 1 && row_stride % kChunk == 0 &&
                         reinterpret_cast<unsigned long long>(dst) % 16 == 0;
     for (int idx = threadIdx.x; idx < Rows * ChunksPerRow; idx += Threads) {
-        const int r = idx / ChunksPerRow, c = (idx % ChunksPerRow) * kChunk;
+        const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(idx), c = (idx % ChunksPerRow) * kChunk;
         if (r >= rows || c >= cols) continue;
         const T* from = tile + r * LD + c;
         if (vector && c + kChunk <= cols) {

@@ -226,6 +226,20 @@ __device__ __forceinline__ void weighted_rows(Acc (&out)[R][C], const Acc* W, co
 
 struct alignas(16) Chunk16 { unsigned int word[4]; };
 
+// The row of chunk `idx` of a tile (its chunks numbered row by row, ChunksPerRow to a row) as every kernel copies
+// and scans its tiles 16 bytes a lane. The 8 lanes of one shared-memory wavefront take two rows when a row is four
+// chunks (16-bit tiles 32 wide); with rows an odd number of chunks apart (PitchChunks: padded rows), rows r and
+// r + 1 share a bank group and conflict, rows r and r + 4 never do: within each group of 8 rows the lanes of a
+// wavefront take those instead. Other widths keep the rows in order.
+template <int ChunksPerRow, int Rows, int PitchChunks>
+__device__ __forceinline__ int chunk_row(int idx) {
+    const int r = idx / ChunksPerRow;
+    if constexpr (ChunksPerRow == 4 && Rows % 8 == 0 && PitchChunks % 2 == 1)
+        return (r & ~7) | (r & 1) << 2 | (r >> 1 & 3);
+    else
+        return r;
+}
+
 template <typename T, int Rows, int Cols, int LD, int Threads>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride, long long col_stride,
                                           int rows, int cols, bool vector) {
@@ -238,7 +252,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
         for (int k = 0; k < (Chunks + Threads - 1) / Threads; ++k) {  // a trip count known here: unrolled
             const int idx = threadIdx.x + k * Threads;
             if (Chunks % Threads != 0 && idx >= Chunks) break;
-            const int r = idx / (Cols / V), c = (idx % (Cols / V)) * V;
+            const int r = chunk_row<Cols / V, Rows, LD * sizeof(T) / 16>(idx), c = (idx % (Cols / V)) * V;
             if (r < rows && c + V <= cols) {
                 const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(src + r * row_stride + c);
                 if constexpr (LD * sizeof(T) % 16 == 0) {  // 16-byte aligned rows take the chunk in one store
@@ -277,14 +291,15 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
     if (Unrolled && vector && rows == Rows && cols == Cols) {  // a whole tile: every chunk whole, no predicate
 #pragma unroll
         for (int k = 0; k < (Chunks + Threads - 1) / Threads; ++k) {
-            const int idx = threadIdx.x + k * Threads, r = idx / ChunksPerRow, c = idx % ChunksPerRow * kChunk;
+            const int idx = threadIdx.x + k * Threads, c = idx % ChunksPerRow * kChunk;
+            const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(idx);
             if (Chunks % Threads == 0 || idx < Chunks)
                 ptx::cp_async_cg16_whole(ptx::shared_addr(dst + r * LD + c), src + r * row_stride + c);
         }
         return;
     }
     for (int idx = threadIdx.x; idx < Chunks; idx += Threads) {
-        const int r = idx / ChunksPerRow, c = idx % ChunksPerRow * kChunk;
+        const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(idx), c = idx % ChunksPerRow * kChunk;
         if (vector) {
             const int valid = r < rows ? (cols - c < 0 ? 0 : (cols - c > kChunk ? kChunk : cols - c)) : 0;
             const T* from = valid ? src + r * row_stride + c : src;  // nothing is read when valid == 0
