@@ -215,8 +215,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
         const BlockOperands o{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK],
                               g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset,
                               (flags & kHasMask) != 0, (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
-        const bool chunk_loads = QLoader::usable(o.q.row) && OLoader::usable(gdo.row) && (flags & kVectorQ) &&
-                                 (flags & kVectorDout) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
+        const bool chunk_loads = mma::chunk_loads<QLoader, OLoader>(o.q.row, gdo.row, flags & kVectorQ,
+                                                                    flags & kVectorDout, d, e);
         const TileRange plain = o.has_mask || o.has_bias || keys < Bc
                                     ? TileRange{0, 0} : seen_whole(queries, Br, j0, keys, -offset, right, left);
         new (smem + Smem::sweep_offset) Sweep{o, SweepOrder::of(queries, Br, plain, chunk_loads, Stages)};
@@ -357,8 +357,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
     if (threadIdx.x == 0) {
         const BlockOperands o = block_operands<Br, false>(g, b, n, m, left, right, flags);
-        const bool chunk_loads = KLoader::usable(o.k.row) && VLoader::usable(o.v.row) && (flags & kVectorK) &&
-                                 (flags & kVectorV) && d % mma::kChunk == 0 && e % mma::kChunk == 0;
+        const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(o.k.row, o.v.row, flags & kVectorK,
+                                                                    flags & kVectorV, d, e);
         new (smem + Smem::sweep_offset)
             Sweep{o, SweepOrder::of(o.keys, Bc, plain_tiles(o, Bc, left, right, true), chunk_loads, Stages)};
     }

@@ -103,8 +103,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         // The plain tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the row max
         // of raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
         const bool positive_scale = scale_log2 > Acc(0) && scale_log2 < infinity<Acc>();
-        const bool chunk_loads = KLoader::usable(o.k.row) && VLoader::usable(o.v.row) && (flags & kVectorK) &&
-                                 (flags & kVectorV) && d % chunk_pad<T>() == 0 && e % chunk_pad<T>() == 0;
+        const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(o.k.row, o.v.row, flags & kVectorK,
+                                                                    flags & kVectorV, d, e);
         const TileRange plain = plain_tiles(o, Bc, left, right, positive_scale);
         new (smem + Smem::sweep_offset) Sweep{o, SweepOrder::of(o.keys, Bc, plain, chunk_loads, Stages)};
     }

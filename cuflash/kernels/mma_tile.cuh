@@ -136,6 +136,15 @@ struct ChunkLoader {
     }
 };
 
+// Whether the whole tiles of two operands swept together (K and V, Q and dO) go through chunk loaders A and B: rows
+// the loaders can address, 16-byte copies (the launch's vector flags) and widths of whole chunks, for both.
+template <typename A, typename B>
+__device__ __forceinline__ bool chunk_loads(long long a_row, long long b_row, bool a_vector, bool b_vector,
+                                            long long a_cols, long long b_cols) {
+    return A::usable(a_row) && B::usable(b_row) && a_vector && b_vector && a_cols % A::kChunk == 0 &&
+           b_cols % B::kChunk == 0;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Fragment loads with ldmatrix.x4: lanes 8j..8j+7 address the rows of 8x8 matrix j. Each operand shape has a
 // lane offset (elements from a fragment's corner to the row this lane addresses); with a tile's shared address
