@@ -209,8 +209,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
     // of them; the window transposed: seen_whole), with neither mask nor bias. Whole query tiles of 16-byte rows
     // from the first plain one on come through each thread's chunk loaders, the others (a short last tile, those
     // before the first plain one, strided views) through the general copy.
-    using QLoader = mma::ChunkLoader<T, Br, D, Threads, Stages>;
-    using OLoader = mma::ChunkLoader<T, Br, E, Threads, Stages>;
+    using QLoader = mma::ChunkLoader<T, Br, D, Threads>;
+    using OLoader = mma::ChunkLoader<T, Br, E, Threads>;
     if (threadIdx.x == 0) {
         const BlockOperands o{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK],
                               g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset,
@@ -353,8 +353,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     // used (Sweep). The plain key tiles: plain_tiles (full, seen by every query of the block, no mask or bias).
     // Whole key tiles of 16-byte rows from the first plain one on come through each thread's chunk loaders, the
     // others (a short last tile, those before the first plain one, strided views) through the general copy.
-    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages>;
-    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages>;
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads>;
     if (threadIdx.x == 0) {
         const BlockOperands o = block_operands<Br, false>(g, b, n, m, left, right, flags);
         const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(o.k.row, o.v.row, flags & kVectorK,

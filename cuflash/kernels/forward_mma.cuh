@@ -96,8 +96,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     if (b >= g.batch_count) return;
     // The block's view of the launch and of its sweep, worked out by one thread and read from shared memory where
     // used: kept in registers through the steady loop, they would take those the largest tiles need.
-    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Stages, Smem::LDK>;
-    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Stages, Smem::LDV>;
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads, Smem::LDK>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads, Smem::LDV>;
     if (threadIdx.x == 0) {
         const BlockOperands o = block_operands<Br, Split>(g, b, n, m, left, right, flags);
         // The plain tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the row max

@@ -93,7 +93,7 @@ template <typename Acc, int MT, int NT> struct N8Tiles<Acc[MT][NT][4]> { static 
 // A compile-time flag passed to a generic lambda (the forward's key tile: steady or not).
 template <bool V> struct Steady { static constexpr bool value = V; };
 
-// One thread's share of full tiles (all Rows rows) of 16-byte chunks streamed through Stages shared stages,
+// One thread's share of full tiles (all Rows rows) of 16-byte chunks streamed through shared stages,
 // worked out once for a whole sweep: the thread copies the chunks of one column c in rows r0, r0 + Step, ... (the
 // very chunks load_tile_async gives it: Threads is a multiple of the chunks per row), so its global pointer
 // advances by a tile's rows per call and its shared addresses by a stage. Only whole chunks: the operand's width
@@ -102,7 +102,7 @@ template <bool V> struct Steady { static constexpr bool value = V; };
 // branch around the copies). A chunk's offset from the thread's first one is a 32-bit number (one multiply-add
 // per address), so the loaders take only operands whose tile spans fewer than 2^31 elements (usable); the
 // general copy takes the others.
-template <typename T, int Rows, int Cols, int Threads, int Stages, int LD = Padded<Cols, T>::ld>
+template <typename T, int Rows, int Cols, int Threads, int LD = Padded<Cols, T>::ld>
 struct ChunkLoader {
     static constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk;
     static constexpr bool kFits = Threads % ChunksPerRow == 0 && Rows % (Threads / ChunksPerRow) == 0;
