@@ -243,7 +243,7 @@ def scalar_values(problem, e, flags):
     acc = problem.acc_dtype
     left, right = problem.window.reach(problem.n, problem.m)  # int64 whatever the sides
     return {"n": np.int64(problem.n), "m": np.int64(problem.m), "d": np.int64(problem.d), "e": np.int64(e),
-            "scale_log2": acc.type(problem.scale * math.log2(math.e)), "scale": acc.type(problem.scale),
+            "scale_log2": acc.type(problem.scale * LOG2E), "scale": acc.type(problem.scale),
             "left": np.int64(left), "right": np.int64(right), "flags": np.int32(flags)}
 
 

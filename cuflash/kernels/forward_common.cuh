@@ -147,10 +147,10 @@ __device__ __forceinline__ TileRange seen_whole(KeyRange swept, int B, long long
     return hi > lo ? TileRange{(int)lo, (int)hi} : TileRange{0, 0};
 }
 
-// The plain key tiles of a forward sweep, [lo, hi): all Bc keys, each visible to every row of the block's query
-// tile by the window, with neither mask nor bias. They run the steady state, which skips per-element visibility
-// (tile_is_partial is false for each of them, and they carry no bias); the range is worked out once per block, so
-// no tile computes its own. Empty when `allowed` is false.
+// The plain key tiles of a sweep over keys (the forward's, bwd_mma_dq's), [lo, hi): all Bc keys, each visible to
+// every row of the block's query tile by the window, with neither mask nor bias. They run the steady state, which
+// skips per-element visibility (tile_is_partial is false for each of them, and they carry no bias); the range is
+// worked out once per block, so no tile computes its own. Empty when `allowed` is false.
 __device__ __forceinline__ TileRange plain_tiles(const BlockOperands& ops, int Bc, long long left, long long right,
                                                  bool allowed) {
     if (!allowed || ops.has_mask || ops.has_bias) return {0, 0};
