@@ -90,13 +90,13 @@ def run_problem(dtype: str, d: int, n: int, m: int, causal: bool, block, kind: s
     q, k, v, dout = inputs(dtype, d, n, m)
     with profile_mode():
         for plan in plans:  # compiled before the calls: launches from here on are this run's
-            backend.get_kernel(plan).profiles.clear()
+            backend.function(plan).profiles.clear()
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, backend="simt", block=block)
         if kind in ("backward", "all"):
             cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, backend="simt", block=block)
         rows = []
         for plan in plans:
-            fn = backend.get_kernel(plan)
+            fn = backend.function(plan)
             profile = sum(fn.profiles[1:], fn.profiles[0]) if fn.profiles else None
             rows.append(row(dtype, d, n, m, causal, plan, profile))
     return rows

@@ -10,18 +10,15 @@ import functools
 import math
 import numbers
 
-from typing import TYPE_CHECKING, Any, Literal, Optional, Tuple, Union, overload
+from typing import Any, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import backends
 from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
-from .family import check_precision
+from .family import BlockConfig, check_precision
 from .problem import SIGNATURE, Problem, Window, default_scale
-
-if TYPE_CHECKING:
-    from .family import BlockConfig
 
 NAME = "attention"
 
@@ -300,8 +297,13 @@ def check_mask_bias_dtypes(mask, bias):
 
 
 def bias_operand(bias, dtype):
-    """Integer and bool biases become floats of the computation; float biases keep their dtype."""
-    return bias if is_real_float(bias.dtype) else bias.astype(acc_dtype_of(dtype))
+    """The bias in the accumulation type, as every backend adds it: its un-broadcast original (every stride-0 axis
+    cut to length 1, a view) cast once; broadcast_pair broadcasts it again."""
+    acc = acc_dtype_of(dtype)
+    if bias.dtype == acc:
+        return bias
+    return bias[tuple(slice(0, 1) if s == 0 and size > 1 else slice(None)
+                      for s, size in zip(bias.strides, bias.shape))].astype(acc)
 
 
 def pair_shape(x):

@@ -1,15 +1,16 @@
-"""Executing a Plan: the launches (grid, block, shared memory, arguments) and the per-launch geometry table.
+"""Executing a Plan: the launches (grid, block, shared memory, the kernel's one parameter struct) and the per-launch
+geometry table.
 
 Shared by the cupy and simt backends, which differ only in how a module is compiled (cupy.RawModule or the
-emulator's RawModule) and in the arrays the Problem holds (CuPy or NumPy: problem.xp). Both modules take the same
-call: kernel(grid, block, args, shared_mem=nbytes). Nothing here plans: what to launch is the plan's.
+emulator's RawModule) and in the arrays the Problem holds (CuPy or NumPy: problem.xp). Each backend gives run()
+a function that launches one Launch on its module. Nothing here plans: what to launch is the plan's.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
@@ -30,9 +31,24 @@ GEOMETRY = np.dtype([
     ("op", OPERAND_STRIDES, (len(OPERANDS),)),
     ("split_keys", np.int64), ("split_out", np.int64), ("split_lse", np.int64)])
 MAX_GRID_Y = 65535
-RESIDENT_LIMIT = 256  # device copies of geometry tables and placeholders kept per process
+RESIDENT_LIMIT = 256  # device copies of geometry tables kept per process
+SIZES = ("n", "m", "d", "e", "left", "right")
 
-# LaunchFlags in kernels/forward_common.cuh
+
+def params_dtype(acc) -> np.dtype:
+    """The C struct Params of kernels/tile.cuh, field for field, for accumulator type acc (float32 or float64):
+    every kernel's one parameter, passed by value. A pointer per operand (OPERANDS; 0 where absent), the geometry
+    table's, the sizes and the window's reach, scale log2(e) and scale in acc, and the launch flags."""
+    acc = np.dtype(acc)
+    return np.dtype([(name, np.uint64) for name in OPERANDS + ("geometry",)] +
+                    [(name, np.int64) for name in SIZES] + [("scale_log2", acc), ("scale", acc), ("flags", np.int32)],
+                    align=True)
+
+
+PARAMS = {np.dtype(acc).name: params_dtype(acc) for acc in (np.float32, np.float64)}
+PARAMS_OF = {"float32": "__half", "float64": "double"}  # an element type whose Params have that accumulator
+
+# LaunchFlags in kernels/block.cuh
 VECTOR_Q, VECTOR_K, VECTOR_V, HAS_MASK, HAS_BIAS, WANT_LSE, BIAS_HIDES = 1, 2, 4, 8, 16, 32, 64
 VECTOR_DOUT, WANT_DBIAS = 128, 256
 FLAGS = {"kVectorQ": VECTOR_Q, "kVectorK": VECTOR_K, "kVectorV": VECTOR_V, "kHasMask": HAS_MASK,
@@ -42,28 +58,39 @@ VECTOR_FLAGS = (("q", VECTOR_Q), ("k", VECTOR_K), ("v", VECTOR_V), ("dout", VECT
 
 
 def layout_asserts() -> List[str]:
-    """C++ static_asserts that the kernels' Geometry, OperandStrides, Operand and LaunchFlags are what this
-    module writes: compiled after kernels/forward_common.cuh, they fail on any drift."""
+    """C++ static_asserts that the kernels' Geometry, OperandStrides, Params, Operand and LaunchFlags are what this
+    module writes: compiled after kernels/block.cuh, they fail on any drift."""
     def check(expr: str, value: int) -> str:
         return f'static_assert({expr} == {value}, "launch.py declares {expr} == {value}");'
 
     lines = [check("cuflash::kMaxBatchDims", MAX_BATCH_DIMS), check("(int)cuflash::kOperands", len(OPERANDS))]
     lines += [check(f"(int)cuflash::k{name.capitalize()}", index) for index, name in enumerate(OPERANDS)]
     lines += [check(f"(int)cuflash::{name}", value) for name, value in FLAGS.items()]
-    for struct, dtype in (("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY)):
+    structs = [("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY)] + \
+        [(f"Params<{PARAMS_OF[acc]}>", dtype) for acc, dtype in PARAMS.items()]
+    for struct, dtype in structs:
+        fields = dtype.fields or {}
         lines.append(check(f"sizeof(cuflash::{struct})", dtype.itemsize))
-        lines += [check(f"__builtin_offsetof(cuflash::{struct}, {name})", dtype.fields[name][1])
-                  for name in dtype.names]
+        lines += [check(f"__builtin_offsetof(cuflash::{struct}, {name})", fields[name][1]) for name in fields]
     return lines
 
 
 @dataclass
 class Launch:
+    """One kernel launch: args holds the kernel's Params (a NumPy array of one PARAMS element, which CuPy passes by
+    value), arrays the arrays its pointers point into (the emulator's profile names them global memory)."""
+
     name: str
     grid: Tuple[int, int, int]
     block: Tuple[int, int, int]
     shared_mem: int
     args: tuple
+    arrays: tuple = ()
+
+    @property
+    def params(self):
+        """The kernel's Params as a NumPy record: params["flags"], params["e"], ..."""
+        return self.args[0][0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -83,20 +110,6 @@ def element_strides(x) -> Optional[Tuple[int, ...]]:
     if any(s % item for s in x.strides):
         return None
     return tuple(s // item for s in x.strides)
-
-
-def compact(x, xp):
-    """The un-broadcast original of a broadcast view: every stride-0 axis cut to length 1 (a view, no copy)."""
-    return x[tuple(slice(0, 1) if s == 0 and size > 1 else slice(None) for s, size in zip(x.strides, x.shape))]
-
-
-def bias_operand(problem):
-    """The bias in the accumulator type: the un-broadcast original is cast once, then broadcast again."""
-    bias = problem.bias
-    if bias.dtype == problem.acc_dtype:
-        return bias
-    xp = problem.xp
-    return xp.broadcast_to(compact(bias, xp).astype(problem.acc_dtype), bias.shape)
 
 
 def vector_ok(x, strides) -> bool:
@@ -133,11 +146,10 @@ def launches(problem, out, lse, plan: Plan, split_strides: Tuple[int, int] = (0,
     accumulator type), split_strides the elements from one split's out and lse to the next's, and the blocks of
     every split run in the same launches."""
     check_plan(problem, plan)
-    bias = None if problem.bias is None else bias_operand(problem)
     result = []
     for index, (e0, e1) in enumerate(plan.column_blocks):
-        operands = {"q": problem.q, "k": problem.k, "v": problem.v[..., e0:e1], "mask": problem.mask, "bias": bias,
-                    "out": out[..., e0:e1], "lse": lse if index == 0 else None}
+        operands = {"q": problem.q, "k": problem.k, "v": problem.v[..., e0:e1], "mask": problem.mask,
+                    "bias": problem.bias, "out": out[..., e0:e1], "lse": lse if index == 0 else None}
         result += _batch_launches(problem, operands, e1 - e0, plan, split_strides)
     return result
 
@@ -153,16 +165,14 @@ def row_terms(problem, dout, out, lse):
     with np.errstate(invalid="ignore", over="ignore"):
         shift = lse.astype(acc) * acc.type(LOG2E)
         terms[..., 0] = xp.where(lse == -np.inf, acc.type(0), shift)
-        terms[..., 1] = (dout.astype(acc) * out.astype(acc)).sum(axis=-1)
+        terms[..., 1] = problem.delta(dout, out)
     return terms
 
 
 def backward_operands(problem, dout, terms, grads) -> dict:
     """Every operand of the backward kernels by name: dout and the row terms (row_terms) in, grads = (dq, dk, dv,
-    dbias or None) over the whole batch in the accumulator type out. Made once for both kernels (the bias is cast
-    to the accumulator type here)."""
-    bias = None if problem.bias is None else bias_operand(problem)
-    return {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": bias, "dout": dout,
+    dbias or None) over the whole batch in the accumulator type out. Made once for both kernels."""
+    return {"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": problem.bias, "dout": dout,
             "terms": terms, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
 
 
@@ -213,6 +223,7 @@ def geometry_table(shape, batch_strides, operands, plan: Plan, split_strides) ->
         x = operands.get(name)
         if x is not None:
             s = element_strides(x)
+            assert s is not None, name  # _batch_launches copied those with strides of parts of an element
             op = table["op"][index]
             op["row"], op["col"] = (s[-1], 0) if name in ROW_VECTORS else s[-2:]
             op["batch"][:len(shape)] = batch_strides[index]
@@ -238,36 +249,38 @@ def launch_flags(problem, operands) -> int:
     return flags
 
 
-def scalar_values(problem, e, flags):
-    """Every scalar a kernel may take (Family.scalars picks its own), typed as the kernels declare them."""
-    acc = problem.acc_dtype
+def kernel_params(problem, operands, table, e, flags) -> np.ndarray:
+    """The kernel's Params (one PARAMS element) for these operands (arrays by name; None or absent: a null
+    pointer, never read) and the device's geometry table."""
+    params = np.zeros(1, PARAMS[problem.acc_dtype.name])
+    for name in OPERANDS:
+        if operands.get(name) is not None:
+            params[name] = address(operands[name])
+    params["geometry"] = address(table)
     left, right = problem.window.reach(problem.n, problem.m)  # int64 whatever the sides
-    return {"n": np.int64(problem.n), "m": np.int64(problem.m), "d": np.int64(problem.d), "e": np.int64(e),
-            "scale_log2": acc.type(problem.scale * LOG2E), "scale": acc.type(problem.scale),
-            "left": np.int64(left), "right": np.int64(right), "flags": np.int32(flags)}
+    for name, value in zip(SIZES, (problem.n, problem.m, problem.d, e, left, right)):
+        params[name] = value
+    params["scale_log2"], params["scale"] = problem.scale * LOG2E, problem.scale
+    params["flags"] = flags
+    return params
 
 
 def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_strides) -> Launch:
-    xp, family = problem.xp, plan.family
-    table = geometry_table(shape, batch_strides, operands, plan, split_strides)
-    flags = launch_flags(problem, operands)
-    # Absent optional operands are passed as one-element arrays: never read, typed like the real thing.
-    pointers = tuple(operands[name] if operands.get(name) is not None else
-                     placeholder(xp, np.bool_ if name == "mask" else problem.acc_dtype) for name in family.operands)
-    scalars = scalar_values(problem, e, flags)
-    args = pointers + (resident(xp, table),) + tuple(scalars[name] for name in family.scalars)
+    table = resident(problem.xp, geometry_table(shape, batch_strides, operands, plan, split_strides))
+    params = kernel_params(problem, operands, table, e, launch_flags(problem, operands))
     batch_count = math.prod(shape)
     grid_y = max(1, min(batch_count, MAX_GRID_Y))
     grid = (plan.grid_x, grid_y, -(-batch_count // grid_y))
-    return Launch(plan.name, grid, plan.block, plan.shared_mem, args)
+    arrays = tuple(x for x in operands.values() if x is not None) + (table,)
+    return Launch(plan.name, grid, plan.block, plan.shared_mem, (params,), arrays)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Small constant arrays kept on the device
 
 
-_resident = {}  # (device id, dtype, bytes) -> device array holding those bytes, oldest first
-_captured = set()  # keys of the tables a CUDA graph capture has used
+_resident: Dict[tuple, Any] = {}  # (device id, dtype, bytes) -> device array holding those bytes, oldest first
+_captured: Set[tuple] = set()  # keys of the tables a CUDA graph capture has used
 
 
 def resident(xp, host: np.ndarray):
@@ -306,31 +319,31 @@ def _evict_oldest(xp) -> None:
     del _resident[key]
 
 
-def placeholder(xp, dtype):
-    """A one-element array standing in for an absent optional operand (the kernel never reads it)."""
-    return resident(xp, np.zeros(1, dtype=dtype))
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Split keys (flash-decoding)
 
 
-def run(problem, out, lse, plan: Plan, get_kernel: Callable[[Plan], Any]) -> None:
-    """Launch every kernel of the plan; get_kernel(plan) returns the compiled kernel, ready for the plan's dynamic
-    shared memory. With split keys the partial results land in scratch in the accumulator type and are combined
-    into out and lse. A launch error names the kernel and the configuration."""
+# A backend's way to its kernels: get_kernel(plan) compiles the plan's kernel (once) and returns a function that
+# launches one Launch of it on the backend's module.
+GetKernel = Callable[[Plan], Callable[["Launch"], Any]]
+
+
+def run(problem, out, lse, plan: Plan, get_kernel: GetKernel) -> None:
+    """Launch every kernel of the plan (get_kernel: the backend's, GetKernel). With split keys the partial results
+    land in scratch in the accumulator type and are combined into out and lse. A launch error names the kernel and
+    the configuration."""
     if plan.splits > 1:
         xp, acc = problem.xp, problem.acc_dtype
         parts_out = xp.empty((plan.splits,) + tuple(out.shape), dtype=acc)
         parts_lse = xp.empty((plan.splits,) + tuple(out.shape[:-1]), dtype=acc)
-        strides = element_strides(parts_out)[0], element_strides(parts_lse)[0]
+        strides = parts_out.strides[0] // acc.itemsize, parts_lse.strides[0] // acc.itemsize
         _run(launches(problem, parts_out[0], parts_lse[0], plan, strides), plan, get_kernel)
         combine(parts_out, parts_lse, out, lse, xp)
         return
     _run(launches(problem, out, lse, plan), plan, get_kernel)
 
 
-def run_backward(problem, plans, dout, out, lse, grads, get_kernel: Callable[[Plan], Any]) -> None:
+def run_backward(problem, plans, dout, out, lse, grads, get_kernel: GetKernel) -> None:
     """The backward kernels as planned (tiling.backward_plans): the row terms first (row_terms: the lse in the log2
     domain and D_i = rowsum(dout * out), FlashAttention-2's preprocessing), then each kernel, the only writer of its
     gradients."""
@@ -340,14 +353,14 @@ def run_backward(problem, plans, dout, out, lse, grads, get_kernel: Callable[[Pl
             _run(backward_launches(problem, plan, operands), plan, get_kernel)
 
 
-def _run(todo: List[Launch], plan: Plan, get_kernel) -> None:
+def _run(todo: List[Launch], plan: Plan, get_kernel: GetKernel) -> None:
     for launch in todo:
         if launch.grid[2] > MAX_GRID_Y:
             raise ValueError(f"attention: a batch of {launch.grid[1] * launch.grid[2]} items is more than one launch "
                              f"can cover")
         kernel = get_kernel(plan)
         try:
-            kernel(launch.grid, launch.block, launch.args, shared_mem=launch.shared_mem)
+            kernel(launch)
         except Exception as exc:
             raise RuntimeError(
                 f"attention: launching {launch.name} (block {plan.config}, grid {launch.grid}, "

@@ -73,9 +73,10 @@ class Problem:
     """softmax(scale * q @ k.T + bias, visible) @ v for every batch index.
 
     q: (*batch, n, d), k: (*batch, m, d), v: (*batch, m, e), all of `dtype`.
-    mask: bool (*batch, n, m) or None (True = attend). bias: (*batch, n, m) or None, any real dtype; a bias of
-        -inf hides its key as the mask does (by selection). bias_hides: the bias may hold -inf, so backends must
-        select per element on every tile it covers (False lets them keep the fast path).
+    mask: bool (*batch, n, m) or None (True = attend). bias: (*batch, n, m) or None, in the accumulation type (the
+        front door casts it once); a bias of -inf hides its key as the mask does (by selection). bias_hides: the
+        bias may hold -inf, so backends must select per element on every tile it covers (False lets them keep the
+        fast path).
     window: the Window (causal included).
     precision: precision= normalized for dtype (family.check_precision): "highest" (float32-exact: 3xTF32 on
         tensor cores, or CUDA cores), "tf32" (float32 only: one TF32 tensor-core pass) or "fma" (CUDA cores only).
@@ -121,6 +122,13 @@ class Problem:
 
     def window_tile(self, i0: int, i1: int, j0: int, j1: int):
         return self.window.tile(self.xp, i0, i1, j0, j1, self.n, self.m)
+
+    def delta(self, dout, out):
+        """D_i = rowsum(dO_i * O_i) of rows of dout and out, in the accumulation type: FlashAttention-2's
+        preprocessing of the backward, for every backward path (the kernels' row terms, the blocked backward)."""
+        acc = self.acc_dtype
+        with np.errstate(invalid="ignore", over="ignore"):
+            return (dout.astype(acc, copy=False) * out.astype(acc, copy=False)).sum(axis=-1)
 
 
 def default_scale(d: int) -> float:

@@ -73,8 +73,8 @@ def record_events(case, backend, block=None, precision=None):
         event("empty")  # the front door answers without a backend
         return
     if backend == "numpy":
-        from cuflash.backends import numpy as numpy_backend
-        bc = block[1] if isinstance(block, tuple) else numpy_backend.DEFAULT_BC
+        from cuflash import blocked
+        bc = block[1] if isinstance(block, tuple) else blocked.DEFAULT_BC
         event(f"key tiles {'> 1' if m > bc else '1'}")
         return
     if backend == "simt":

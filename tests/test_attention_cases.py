@@ -179,11 +179,11 @@ def test_lists_are_accepted_like_numpy(backend):
 def test_working_set_is_bounded_far_below_the_score_matrix(monkeypatch, working_set):
     """n = m = 8192: the scores would take 256 MiB in float32; the NumPy backend's peak follows its working-set
     bound (64 MiB by default), not n * m."""
-    from cuflash.backends import numpy as numpy_backend
+    from cuflash import blocked
 
     if working_set is not None:
-        monkeypatch.setattr(numpy_backend, "WORKING_SET_BYTES", working_set)
-    bound = numpy_backend.WORKING_SET_BYTES
+        monkeypatch.setattr(blocked, "WORKING_SET_BYTES", working_set)
+    bound = blocked.WORKING_SET_BYTES
     n, d = 8192, 16
     q, k, v = randn(0, (n, d)), randn(1, (n, d)), randn(2, (n, d))
     tracemalloc.start()

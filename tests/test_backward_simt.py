@@ -207,7 +207,7 @@ def test_launches_cover_both_kernels_once_each():
     assert (a.name, a.grid) == ("cuflash::bwd_dkdv<float, 16, 16, 16, 16, 2>", (4, 3, 1))  # 50 keys / 16
     assert (b.name, b.grid) == ("cuflash::bwd_dq<float, 16, 16, 16, 16, 2>", (3, 3, 1))  # 33 queries / 16
     assert a.shared_mem == dkdv.family.shared_memory_bytes(problem.shape, SMALL)
-    assert not a.args[-1] & launch.WANT_DBIAS
+    assert not a.params["flags"] & launch.WANT_DBIAS
 
 
 def test_past_the_kernels_head_dims_the_blocked_path_serves():

@@ -106,8 +106,8 @@ def test_wide_e_is_split_into_column_blocks():
     problem, out, lse = problem_and_outputs(q, k, v)
     blocks = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(4, 16, warps=2)))
     assert [x.name for x in blocks] == ["cuflash::fwd<double, 4, 16, 128, 512, 2>"] * 3
-    assert [x.args[-1] & launch.WANT_LSE for x in blocks] == [launch.WANT_LSE, 0, 0]  # lse written once
-    assert [int(x.args[11]) for x in blocks] == [512, 512, 76]  # e of each column block
+    assert [x.params["flags"] & launch.WANT_LSE for x in blocks] == [launch.WANT_LSE, 0, 0]  # lse written once
+    assert [int(x.params["e"]) for x in blocks] == [512, 512, 76]  # e of each column block
     check_case(Case(q, k, v, {"causal": True}, out_kind="strided"), backend="simt", precision="fma")
 
 
@@ -200,7 +200,7 @@ def test_vector_loads_only_when_aligned(offset):
     q = base[:, :, offset:offset + 64]  # offset 1: every row starts 2 bytes past a 16-byte boundary
     k, v = base[:, :37, 8 - offset:72 - offset], base[:, 3:, :64]
     problem, out, lse = problem_and_outputs(q, k, v)
-    flags = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(64, 64)))[0].args[-1]
+    flags = launch.launches(problem, out, lse, plan_for(problem, BlockConfig(64, 64)))[0].params["flags"]
     vector_q = bool(flags & launch.VECTOR_Q)
     assert vector_q == (offset == 0 and q.ctypes.data % 16 == 0)
     result = cuflash.attention(q, k, v, backend="simt", precision="fma")

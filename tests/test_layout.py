@@ -1,18 +1,20 @@
-"""The geometry table each launch writes is declared once (launch.GEOMETRY, a NumPy structured dtype); the
-compiler checks it against the C structs and enums the kernels read, field by field. g++ evaluates the asserts
-(NVRTC has no offsetof); host and device lay out these all-int64 structs alike."""
+"""The geometry table each launch writes and the parameter struct every kernel takes are declared once
+(launch.GEOMETRY, launch.PARAMS: NumPy structured dtypes); the compiler checks them against the C structs and enums
+the kernels read, field by field. g++ evaluates the asserts (NVRTC has no offsetof); host and device lay out these
+structs of 8-byte fields (and a last int) alike."""
 
 import pytest
 
-from cuflash import kernels, launch, simt
+from cuflash import kernels, launch, simt, tiling
 
 pytestmark = pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
 
 
 def test_geometry_table_layout_equals_the_kernels():
     asserts = launch.layout_asserts()
-    every_field = len(launch.OPERAND_STRIDES.names) + len(launch.GEOMETRY.names)
-    assert len(asserts) == 2 + len(launch.OPERANDS) + len(launch.FLAGS) + 2 + every_field
+    structs = (launch.OPERAND_STRIDES, launch.GEOMETRY) + tuple(launch.PARAMS.values())
+    every_field = sum(len(dtype.names) for dtype in structs)
+    assert len(asserts) == 2 + len(launch.OPERANDS) + len(launch.FLAGS) + len(structs) + every_field
     drift = compiler_verdict(asserts)
     assert drift is None, f"launch.py's declared table differs from what the kernels read:\n{drift}"
 
@@ -20,14 +22,15 @@ def test_geometry_table_layout_equals_the_kernels():
 def compiler_verdict(asserts):
     """None when the kernels' headers compile with the asserts; else the compiler's diagnostics."""
     try:
-        simt.check(kernels.source("forward_common.cuh") + "\n".join(asserts), "forward_common.cuh")
+        simt.check(kernels.source("block.cuh") + "\n".join(asserts), "block.cuh")
     except simt.CompileError as error:
         return str(error)
     return None
 
 
 @pytest.mark.parametrize("drift", ["cuflash::kMaxBatchDims == 6", "(int)cuflash::kLse == 6", "kBiasHides == 64",
-                                   "Geometry, split_out) == 904", "sizeof(cuflash::OperandStrides) == 64"])
+                                   "Geometry, split_out) == 904", "sizeof(cuflash::OperandStrides) == 64",
+                                   "Params<double>, scale) == 168", "Params<__half>, flags) == 168"])
 def test_a_drifted_declaration_is_caught(drift):
     asserts = [a.replace(drift, drift[:-1] + "1", 1) for a in launch.layout_asserts()]
     assert sum(drift in a for a in launch.layout_asserts()) == 1
@@ -40,3 +43,26 @@ def test_the_table_is_what_the_launch_writes():
     assert launch.GEOMETRY.itemsize == 8 * (2 + launch.MAX_BATCH_DIMS + len(launch.OPERANDS) *
                                             (2 + launch.MAX_BATCH_DIMS) + 3)
     assert table.reshape(1).view(np.int64).shape == (launch.GEOMETRY.itemsize // 8,)
+
+
+FAMILIES = sorted({family for families in tiling.FAMILIES_OF.values() for family in families}, key=repr)
+
+
+def limit_asserts(family, drift=0):
+    return [f'static_assert(({expr}) == {value + drift}, "{family.title}: {expr} == {value + drift}");'
+            for expr, value in family.limits().items()]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=repr)
+def test_every_limit_a_family_shares_with_its_kernel_holds(family):
+    """Each limit is defined once in the family's description and once in its kernel's CUDA: a static_assert per
+    pair, compiled after the kernel's source."""
+    asserts = limit_asserts(family)
+    assert asserts
+    simt.check(kernels.source(family.source) + "\n".join(asserts), family.source)
+
+
+@pytest.mark.parametrize("family", FAMILIES[:1], ids=repr)
+def test_a_drifted_limit_is_caught(family):
+    with pytest.raises(simt.CompileError, match="static assert"):
+        simt.check(kernels.source(family.source) + "\n".join(limit_asserts(family, drift=1)), family.source)

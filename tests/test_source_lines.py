@@ -30,7 +30,7 @@ def test_every_assembled_line_is_where_its_directive_says():
     files = {}
     for source in (kernels.source(family.source) for family in tiling.FAMILIES):
         check_directives(source, files)
-    assert set(files) == {"forward_mma.cuh", "forward.cuh", "forward_common.cuh", "tile.cuh", "common.cuh",
+    assert set(files) == {"forward_mma.cuh", "forward.cuh", "block.cuh", "tile.cuh", "common.cuh",
                           "mma_tile.cuh", "ptx.cuh"}
 
 
@@ -77,7 +77,7 @@ def test_emulator_source_errors_name_the_true_line():
 MISUSE_PROBE = '''
 #line 1 "misuse_probe.cu"
 extern "C" __global__ void misuse_probe(const __half* g, float* out, int which) {
-  if (which == 0 && threadIdx.x < 16) out[threadIdx.x] = cuflash::mma::quad_max(1.f);  // half a warp
+  if (which == 0 && threadIdx.x < 16) out[threadIdx.x] = cuflash::lanes_max<4>(1.f);  // half a warp
   if (which == 1)  // a "shared" tile in global memory
     cuflash::load_tile_async<__half, 16, 16, 24, 32>(reinterpret_cast<__half*>(out), g, 16, 1, 16, 16, true);
 }
@@ -91,7 +91,7 @@ def misuse_probe():
 
 @pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
 @pytest.mark.parametrize("which,file,text,words", [
-    (0, "mma_tile.cuh", "x = max_(x, __shfl_xor_sync(0xffffffffu, x, 1));", "lanes 0-15 wait at __shfl_xor_sync"),
+    (0, "tile.cuh", "x = max_(x, __shfl_xor_sync(0xffffffffu, x, offset));", "lanes 0-15 wait at __shfl_xor_sync"),
     (1, "tile.cuh", "ptx::cp_async_cg16(dst + r * LD + c, from, valid * (int)sizeof(T));",
      "is not 16 bytes of this block's"),
 ])

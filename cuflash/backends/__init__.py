@@ -26,8 +26,8 @@ def get(name, xp):
     module = _module(name)
     if module.ARRAYS != arrays:
         hint = "cupy.asarray" if module.ARRAYS == "cupy" else "cupy.asnumpy"
-        raise TypeError(
-            f"attention: backend {name!r} runs on {module.ARRAYS} arrays, got {arrays} arrays; convert them with {hint}")
+        raise TypeError(f"attention: backend {name!r} runs on {module.ARRAYS} arrays, got {arrays} arrays; convert "
+                        f"them with {hint}")
     reason = module.unavailable()
     if reason:
         raise BackendUnavailableError(f"attention: backend {name!r} is unavailable: {reason}")
@@ -48,4 +48,5 @@ def _module(name):
     except ModuleNotFoundError as exc:
         if exc.name != f"{__name__}.{name}":
             raise
-        raise BackendUnavailableError(f"attention: backend {name!r} is not part of this version of cuflash yet") from None
+        raise BackendUnavailableError(f"attention: backend {name!r} is not part of this version of cuflash "
+                                      f"yet") from None

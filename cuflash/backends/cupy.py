@@ -9,14 +9,15 @@ kernel's attributes are checked: a spill to local memory in a configuration the 
 from __future__ import annotations
 
 import warnings
+from typing import Any, Dict
 
-from .. import kernels, launch, nvrtc, tiling
+from .. import blocked, kernels, launch, nvrtc, tiling
 from ..devices import DeviceLimits
 
 ARRAYS = "cupy"
 
-_functions = {}  # (device id, options, name expression) -> cupy function
-_limits = {}  # device id -> DeviceLimits
+_functions: Dict[tuple, Any] = {}  # (device id, options, name expression) -> cupy function
+_limits: Dict[int, DeviceLimits] = {}  # device id -> DeviceLimits
 
 
 def unavailable():
@@ -62,7 +63,6 @@ def run_backward(problem, dout, out, lse, grads, block=None):
         limits = device_limits(device.id)
         plans = tiling.backward_plans(problem.shape, limits, block)
         if plans is None:
-            from . import numpy as blocked
             blocked.run_backward(problem, dout, out, lse, grads)
             return
         launch.run_backward(problem, plans, dout, out, lse, grads,
@@ -78,11 +78,12 @@ def check_one_device(operands) -> None:
                          f"with cupy.asarray inside `with cupy.cuda.Device(i)`")
 
 
-def kernels_for(device_id: int, limits, chosen: bool):
+def kernels_for(device_id: int, limits, chosen: bool) -> launch.GetKernel:
     """get_kernel for launch.run: a plan's compiled kernel on this device (spills checked where the heuristic
-    chose the configuration)."""
+    chose the configuration), launched by CuPy."""
     def get_kernel(plan):
-        return kernel(device_id, plan, limits, check_spills=chosen)
+        function = kernel(device_id, plan, limits, check_spills=chosen)
+        return lambda one: function(one.grid, one.block, one.args, shared_mem=one.shared_mem)
     return get_kernel
 
 

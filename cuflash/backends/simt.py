@@ -8,8 +8,9 @@ emulated device plans as an NVIDIA H100 (227 KiB of shared memory per block) unl
 from __future__ import annotations
 
 import os
+from typing import Any, Dict, Set, Tuple
 
-from .. import kernels, launch, tiling
+from .. import blocked, kernels, launch, tiling
 from ..devices import DeviceLimits
 
 ARRAYS = "numpy"
@@ -17,7 +18,7 @@ ARRAYS = "numpy"
 DEVICE = DeviceLimits.known("H100")
 OPTIONS = ("--std=c++17",)
 
-_functions = {}  # (name expression, mode) -> compiled kernel, once per process
+_functions: Dict[Tuple[str, str], Any] = {}  # (name expression, mode) -> compiled kernel, once per process
 
 
 def unavailable():
@@ -34,7 +35,6 @@ def run_backward(problem, dout, out, lse, grads, block=None):
     numpy backend's, on these NumPy arrays)."""
     plans = tiling.backward_plans(problem.shape, DEVICE, block)
     if plans is None:
-        from . import numpy as blocked
         blocked.run_backward(problem, dout, out, lse, grads)
         return
     compile_together(plans)
@@ -45,12 +45,20 @@ def mode() -> str:
     return os.environ.get("CUFLASH_SIMT_MODE") or "fast"
 
 
-def get_kernel(plan: tiling.Plan):
-    function = _functions.get((plan.name, mode()))
-    if function is None:
+def function(plan: tiling.Plan):
+    """The plan's kernel compiled for this mode (once per process), the emulator's Function."""
+    compiled = _functions.get((plan.name, mode()))
+    if compiled is None:
         compile_together([plan])
-        function = _functions[(plan.name, mode())]
-    return function
+        compiled = _functions[(plan.name, mode())]
+    return compiled
+
+
+def get_kernel(plan: tiling.Plan):
+    """launch.GetKernel: the plan's kernel, launched on the emulator (profile mode: the arrays its Params point
+    into counted as global memory)."""
+    kernel = function(plan)
+    return lambda one: kernel(one.grid, one.block, one.args, shared_mem=one.shared_mem, arrays=one.arrays)
 
 
 def compile_together(plans) -> None:
@@ -58,7 +66,7 @@ def compile_together(plans) -> None:
     (the emulator's runtime parsed once) for the backward's two kernels."""
     from .. import simt
 
-    todo = {}
+    todo: Dict[str, Set[str]] = {}
     for plan in plans:
         if (plan.name, mode()) not in _functions:
             todo.setdefault(plan.source, set()).add(plan.name)

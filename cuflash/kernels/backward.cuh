@@ -23,7 +23,7 @@
 // or 2 (compute capability 8.0 and newer) with the next one's cp.async copies in flight while one is computed.
 #pragma once
 
-#include "forward.cuh"
+#include "block.cuh"
 
 namespace cuflash {
 
@@ -37,7 +37,7 @@ template <typename Acc> struct alignas(2 * sizeof(Acc)) RowTerm { Acc shift, del
 // tile product), P and dS over (own rows) x (swept columns) in the accumulator type (pitch 64 bytes past a multiple
 // of 128, as the forward's P), and the query tile's row terms (RowTerm). KeysOwn: bwd_dkdv's layout (own rows are
 // keys). Stages: buffers of the swept tiles (bwd_dq's K and V; bwd_dkdv's Q, dO and row terms), each stage's size
-// a multiple of 16 bytes. cuflash/cudacore.py's backward shared-memory model mirrors this layout exactly.
+// a multiple of 16 bytes. cuflash/kernels/backward.py's shared-memory model mirrors this layout exactly.
 template <typename T, int Br, int Bc, int D, int E, bool KeysOwn, int Stages = 1>
 struct BackwardShared {
     using Acc = typename AccOf<T>::type;
@@ -73,27 +73,6 @@ template <typename T, typename Smem> struct BackwardTiles {
     static __device__ __forceinline__ int k_stage(int stage) { return Smem::KStages > 1 ? stage : 0; }
 };
 
-// The parameters every backward kernel takes, in the order the launch code passes them (BACKWARD_OPERANDS and
-// BACKWARD_SCALARS in cuflash/family.py).
-#define CUFLASH_BACKWARD_PARAMS                                                                                 \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const bool *__restrict__ mask,  \
-        const typename AccOf<T>::type *__restrict__ bias, const T *__restrict__ dout,                          \
-        const typename AccOf<T>::type *__restrict__ terms,                                                     \
-        typename AccOf<T>::type *__restrict__ dq, typename AccOf<T>::type *__restrict__ dk,                    \
-        typename AccOf<T>::type *__restrict__ dv, typename AccOf<T>::type *__restrict__ dbias,                 \
-        const long long *__restrict__ geometry, long long n, long long m, long long d, long long e,            \
-        typename AccOf<T>::type scale_log2, typename AccOf<T>::type scale, long long left, long long right,    \
-        int flags
-
-// Queries [begin, end) that see any of the keys [j0, j1): key_range's inverse (j is visible to i when
-// i + offset - left <= j <= i + offset + right).
-__device__ __forceinline__ KeyRange query_range(long long j0, long long j1, long long n, long long offset,
-                                                long long left, long long right) {
-    const long long begin = max_ll(0, j0 - offset - right);
-    const long long end = min_ll(n, j1 - 1 - offset + left + 1);
-    return {begin, max_ll(begin, end)};
-}
-
 // The row terms of query rows [i0, i0 + rows) into `dst` (Br pairs in shared memory; rows past `rows` get 0), as
 // cp.async copies (Async: they land at the covering wait) or plain loads and stores. `terms`: the batch item's
 // pairs, one after the other along n (the launch writes them so: launch.row_terms).
@@ -117,21 +96,20 @@ __device__ __forceinline__ const RowTerm<Acc>* row_terms_of(const Acc* terms, co
     return reinterpret_cast<const RowTerm<Acc>*>(terms + base.of[kTerms]);
 }
 
-// P_ij and dS_ij of one (query, key) pair from its raw score S = q_i . k_j and dP = dO_i . v_j: visibility, scale
-// and bias as the forward's (visible_score), P = exp2(s - lse_i log2 e). Returns whether the pair is visible;
-// a hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value row never enters them). plain: a
-// full tile without bias (every pair of the block's rows visible), scaled and nothing else. The kernels call
-// their element loop (a lambda) with plain a constant at each call, so it is compiled once per kind of tile.
+// P_ij and dS_ij of one (query, key) pair from its raw score S = q_i . k_j and dP = dO_i . v_j and its row's terms:
+// the score step as the forward's (Scores), P = exp2(s - lse_i log2 e). Returns whether the pair is visible; a
+// hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value row never enters them). plain: a full
+// tile without bias (every pair of the block's rows visible), scaled and nothing else. The kernels call their
+// element loop (a lambda) with plain a constant at each call, so it is compiled once per kind of tile.
 template <typename A>
-__device__ __forceinline__ bool score_gradient(bool plain, A S, A dP, A shift, A delta_i, A scale_log2,
-                                               const BlockOperands& ops, const A* bias, const bool* mask,
-                                               long long i, long long j, int jj, int cols, long long n,
-                                               long long left, long long right, bool partial, A& p, A& ds) {
+__device__ __forceinline__ bool score_gradient(bool plain, A S, A dP, RowTerm<A> t, const Scores<A>& scores,
+                                               long long i, long long j, int jj, int cols, bool partial, A& p,
+                                               A& ds) {
     bool visible = true;
-    A s = S * scale_log2;
-    if (!plain) s = visible_score(S, scale_log2, ops, bias, mask, i, j, jj, cols, n, left, right, partial, visible);
-    p = visible ? exp2_(s - shift) : A(0);
-    ds = visible ? p * (dP - delta_i) : A(0);
+    A s = S * scores.scale_log2;
+    if (!plain) s = scores(S, i, j, jj, cols, partial, visible);
+    p = visible ? exp2_(s - t.shift) : A(0);
+    ds = visible ? p * (dP - t.delta) : A(0);
     return visible;
 }
 
@@ -160,7 +138,7 @@ __device__ __forceinline__ void store_rows(Acc* dst, const Acc (&G)[R][C], Acc s
 }
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS) {
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(const Params<T> p) {
     using Acc = typename AccOf<T>::type;
     using Smem = BackwardShared<T, Br, Bc, D, E, false, Stages>;
     constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
@@ -173,30 +151,25 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
 
     extern __shared__ __align__(16) unsigned char smem[];
     const BackwardTiles<T, Smem> s(smem);
-    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
-    const long long b = batch_item();
-    if (b >= g.batch_count) return;
-    const BlockOperands ops = block_operands<Br, false>(g, b, n, m, left, right, flags);
-    const long long i0 = ops.i0;
-    const int rows = ops.rows;
+    if (!in_batch(p)) return;
+    const BlockOperands ops = query_block<Br, false>(p);
+    const Scores<Acc> scores = Scores<Acc>::of(ops, p, p.n);
+    const TileSource<T> K = ops.source(p.k, kK, p.d, p.flags, kVectorK),
+                        V = ops.source(p.v, kV, p.e, p.flags, kVectorV);
+    const long long i0 = ops.queries.begin;
+    const int rows = ops.queries.size();
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
-    const OperandStrides &gdo = g.op[kDout], &gdq = g.op[kDq], &gdb = g.op[kDbias];
-    const RowTerm<Acc>* const terms_b = row_terms_of(terms, ops.base);
 
-    load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
-                                            (int)d, flags & kVectorQ);
-    load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col, rows,
-                                            (int)e, flags & kVectorDout);
-    load_row_terms<Br, Threads, false>(s.terms, terms_b, i0, rows);
+    load_rows<T, Br, D, Smem::LDD, Threads>(s.Q, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
+    load_rows<T, Br, E, Smem::LDE, Threads>(s.dO, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0, rows);
+    load_row_terms<Br, Threads, false>(s.terms, row_terms_of(p.terms, ops.base), i0, rows);
 
     // Two stages: the next key tile's K and V are copied (cp.async) into the other stage while this one is computed.
     const auto load_kv_async = [&](long long j0, int stage) {
         const BackwardTiles<T, Smem> swept(smem, stage);
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        load_tile_async<T, Bc, D, Smem::LDD, Threads, true>(swept.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row,
-                                                            ops.k.col, cols, (int)d, flags & kVectorK);
-        load_tile_async<T, Bc, E, Smem::LDE, Threads, true>(swept.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row,
-                                                            ops.v.col, cols, (int)e, flags & kVectorV);
+        load_rows_async<T, Bc, D, Smem::LDD, Threads, true>(swept.K, K, j0, cols);
+        load_rows_async<T, Bc, E, Smem::LDE, Threads, true>(swept.V, V, j0, cols);
         ptx::cp_async_commit();
     };
     if constexpr (Stages == 2)
@@ -214,20 +187,18 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
             if (j0 + Bc < ops.keys.end) load_kv_async(j0 + Bc, stage ^ 1);
         } else {
             __syncthreads();  // the previous tile's K, P and dS are read (at the first: Q, dO and the row terms landed)
-            load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col,
-                                                    cols, (int)d, flags & kVectorK);
-            load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col,
-                                                    cols, (int)e, flags & kVectorV);
+            load_rows<T, Bc, D, Smem::LDD, Threads>(s.K, K, j0, cols);
+            load_rows<T, Bc, E, Smem::LDE, Threads>(s.V, V, j0, cols);
             __syncthreads();
         }
 
         Acc S[RPT][CPT], dP[RPT][CPT];
         zero(S);
         zero(dP);
-        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.Q, swept.K, (int)d, ty, tx);
-        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.dO, swept.V, (int)e, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.Q, swept.K, (int)p.d, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.dO, swept.V, (int)p.e, ty, tx);
 
-        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
+        const bool partial = scores.partial(i0, rows, j0, cols, Bc);
         auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
@@ -237,14 +208,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) {
                     const int jj = tx + TC * c;
-                    Acc p, ds;
-                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], t.shift, t.delta,
-                                                               scale_log2, ops, bias, mask, i, j0 + jj, jj, cols, n,
-                                                               left, right, partial, p, ds);
-                    s.P[r * Smem::LDP + jj] = visible ? p : hidden_p<Acc>();
+                    Acc p_ij, ds;
+                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], t, scores, i, j0 + jj, jj, cols,
+                                                        partial, p_ij, ds);
+                    s.P[r * Smem::LDP + jj] = visible ? p_ij : hidden_p<Acc>();
                     s.dS[r * Smem::LDP + jj] = ds;
-                    if (!plain && (flags & kWantDbias) && r < rows && jj < cols)
-                        dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
+                    if (!plain && (p.flags & kWantDbias) && r < rows && jj < cols)
+                        ops.row_of(p.dbias, kDbias, i)[(j0 + jj) * ops.strides(kDbias).col] = ds;
                 }
             }
         };
@@ -255,11 +225,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(CUFLASH_BACKWARD_PARAMS)
         __syncthreads();
         weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, swept.K, cols, partial, ty, tx);
     }
-    store_rows<T, RPT, DPT, RG>(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, rows, d, ty, tx);
+    store_rows<T, RPT, DPT, RG>(ops.row_of(p.dq, kDq, i0), dQ, p.scale, ops.strides(kDq).row, ops.strides(kDq).col,
+                                rows, p.d, ty, tx);
 }
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAMS) {
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
     using Acc = typename AccOf<T>::type;
     using Smem = BackwardShared<T, Br, Bc, D, E, true, Stages>;
     constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
@@ -272,59 +243,46 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
 
     extern __shared__ __align__(16) unsigned char smem[];
     const BackwardTiles<T, Smem> s(smem);
-    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
-    const long long b = batch_item();
-    if (b >= g.batch_count) return;
-    const long long j0 = blockIdx.x * (long long)Bc, offset = m - n;
-    const int keys = (int)min_ll(Bc, m - j0);
-    const KeyRange queries = query_range(j0, j0 + keys, n, offset, left, right);
-    // The forward's view of the launch, for visible_score and tile_is_partial: its query tile is the swept one.
-    BlockOperands ops{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK], g.op[kV],
-                      g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset, (flags & kHasMask) != 0,
-                      (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
+    if (!in_batch(p)) return;
+    const BlockOperands ops = key_block<Bc>(p);  // the queries that see its keys: the swept tiles
+    const TileSource<T> Q = ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
+                        dO = ops.source(p.dout, kDout, p.e, p.flags, kVectorDout);
+    const RowTerm<Acc>* const terms_b = row_terms_of(p.terms, ops.base);
+    const long long j0 = ops.keys.begin;
+    const int keys = ops.keys.size();
     const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
-    const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
-    const RowTerm<Acc>* const terms_b = row_terms_of(terms, ops.base);
 
-    load_tile<T, Bc, D, Smem::LDD, Threads>(s.K, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
-                                            (int)d, flags & kVectorK);
-    load_tile<T, Bc, E, Smem::LDE, Threads>(s.V, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
-                                            (int)e, flags & kVectorV);
+    load_rows<T, Bc, D, Smem::LDD, Threads>(s.K, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
+    load_rows<T, Bc, E, Smem::LDE, Threads>(s.V, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
 
     // Two stages: the next query tile's Q, dO and row terms are copied (cp.async) into the other stage while this
     // one is computed.
     const auto load_queries_async = [&](long long i0, int stage) {
         const BackwardTiles<T, Smem> swept(smem, stage);
-        const int rows = (int)min_ll(Br, queries.end - i0);
-        load_tile_async<T, Br, D, Smem::LDD, Threads, true>(swept.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row,
-                                                            ops.q.col, rows, (int)d, flags & kVectorQ);
-        load_tile_async<T, Br, E, Smem::LDE, Threads, true>(swept.dO, dout + ops.base.of[kDout] + i0 * gdo.row,
-                                                            gdo.row, gdo.col, rows, (int)e, flags & kVectorDout);
+        const int rows = (int)min_ll(Br, ops.queries.end - i0);
+        load_rows_async<T, Br, D, Smem::LDD, Threads, true>(swept.Q, Q, i0, rows);
+        load_rows_async<T, Br, E, Smem::LDE, Threads, true>(swept.dO, dO, i0, rows);
         load_row_terms<Br, Threads, true>(swept.terms, terms_b, i0, rows);
         ptx::cp_async_commit();
     };
     if constexpr (Stages == 2)
-        if (queries.begin < queries.end) load_queries_async(queries.begin, 0);
+        if (ops.queries.begin < ops.queries.end) load_queries_async(ops.queries.begin, 0);
 
     Acc dK[RPT][DPT], dV[RPT][EPT];
     zero(dK);
     zero(dV);
     int stage = 0;
-    for (long long i0 = queries.begin; i0 < queries.end; i0 += Br, stage = Stages == 2 ? stage ^ 1 : 0) {
-        const int rows = (int)min_ll(Br, queries.end - i0);
-        ops.i0 = i0;
-        ops.rows = rows;
+    for (long long i0 = ops.queries.begin; i0 < ops.queries.end; i0 += Br, stage = Stages == 2 ? stage ^ 1 : 0) {
+        const int rows = (int)min_ll(Br, ops.queries.end - i0);
         const BackwardTiles<T, Smem> swept(smem, stage);  // this query tile's Q, dO and row terms
         if constexpr (Stages == 2) {
             ptx::cp_async_wait<0>();
             __syncthreads();  // Q, dO landed (at the first: K and V too); the last tile's Q, dO, P, dS, row terms read
-            if (i0 + Br < queries.end) load_queries_async(i0 + Br, stage ^ 1);
+            if (i0 + Br < ops.queries.end) load_queries_async(i0 + Br, stage ^ 1);
         } else {
             __syncthreads();  // the previous tile's Q, dO, P and dS are read (at the first: K and V landed)
-            load_tile<T, Br, D, Smem::LDD, Threads>(s.Q, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col,
-                                                    rows, (int)d, flags & kVectorQ);
-            load_tile<T, Br, E, Smem::LDE, Threads>(s.dO, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row,
-                                                    gdo.col, rows, (int)e, flags & kVectorDout);
+            load_rows<T, Br, D, Smem::LDD, Threads>(s.Q, Q, i0, rows);
+            load_rows<T, Br, E, Smem::LDE, Threads>(s.dO, dO, i0, rows);
             load_row_terms<Br, Threads, false>(s.terms, terms_b, i0, rows);
             __syncthreads();
         }
@@ -332,10 +290,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
         Acc S[RPT][CPT], dP[RPT][CPT];  // transposed: keys by row, queries by column
         zero(S);
         zero(dP);
-        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.K, swept.Q, (int)d, ty, tx);
-        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.V, swept.dO, (int)e, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.K, swept.Q, (int)p.d, ty, tx);
+        tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.V, swept.dO, (int)p.e, ty, tx);
 
-        const bool partial = tile_is_partial(ops, j0, keys, Bc, left, right);
+        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
+        const Scores<Acc> scores = Scores<Acc>::of(ops, p, i0 + rows);
+        const bool partial = scores.partial(i0, rows, j0, keys, Bc);
         auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
@@ -343,13 +303,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) {
                     const int ii = tx + TC * c;
-                    Acc p, ds;
-                    // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                    const RowTerm<Acc> t = swept.terms[ii];
-                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], t.shift, t.delta,
-                                                               scale_log2, ops, bias, mask, i0 + ii, j0 + r, r, keys,
-                                                               i0 + rows, left, right, partial, p, ds);
-                    s.P[r * Smem::LDP + ii] = visible ? p : hidden_p<Acc>();
+                    Acc p_ij, ds;
+                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], swept.terms[ii], scores, i0 + ii,
+                                                        j0 + r, r, keys, partial, p_ij, ds);
+                    s.P[r * Smem::LDP + ii] = visible ? p_ij : hidden_p<Acc>();
                     s.dS[r * Smem::LDP + ii] = ds;
                 }
             }
@@ -362,8 +319,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(CUFLASH_BACKWARD_PARAM
         weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDE>(dV, s.P, s.P, swept.dO, rows, partial, ty, tx);
         weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, swept.Q, rows, partial, ty, tx);
     }
-    store_rows<T, RPT, DPT, RG>(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, keys, d, ty, tx);
-    store_rows<T, RPT, EPT, RG>(dv + ops.base.of[kDv] + j0 * gdv.row, dV, Acc(1), gdv.row, gdv.col, keys, e, ty, tx);
+    store_rows<T, RPT, DPT, RG>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row, ops.strides(kDk).col,
+                                keys, p.d, ty, tx);
+    store_rows<T, RPT, EPT, RG>(ops.row_of(p.dv, kDv, j0), dV, Acc(1), ops.strides(kDv).row, ops.strides(kDv).col,
+                                keys, p.e, ty, tx);
 }
 
 }  // namespace cuflash

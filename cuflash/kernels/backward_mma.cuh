@@ -30,10 +30,17 @@
 
 namespace cuflash {
 
-// Shared memory of one block (cuflash/tensorcore.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
+// Limits of the layout, held to cuflash/kernels/backward_mma.py's by tests/test_layout.py.
+namespace mma_backward {
+constexpr int kMaxSwept = 128;    // a swept tile's hidden-pair bits fit one 32-bit word per quad lane
+constexpr int kMaxHeadDim = 128;  // D and E: the gradients stay whole in registers
+}  // namespace mma_backward
+
+// Shared memory of one block (cuflash/kernels/backward_mma.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
 // query tile's row terms (RowTerm), and each warp's scratch for the rare CUDA-core product (16 rows of the swept
-// tile's width + 1 floats, and 16 x 4 words of hidden bits), and last the block's Sweep. KeysOwn: bwd_mma_dkdv's layout. Stages: buffers of
-// the swept tiles (bwd_mma_dq's K_j and V_j; bwd_mma_dkdv's Q_i, dO_i and their row terms).
+// tile's width + 1 floats, and 16 x 4 words of hidden bits), and last the block's Sweep. KeysOwn: bwd_mma_dkdv's
+// layout. Stages: buffers of the swept tiles (bwd_mma_dq's K_j and V_j; bwd_mma_dkdv's Q_i, dO_i and their row
+// terms).
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn, int Stages = 1>
 struct MmaBackwardShared {
     static constexpr int LDD = mma::Padded<D>::ld, LDE = mma::Padded<E>::ld;
@@ -183,12 +190,13 @@ __device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visi
 }  // namespace mma
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_PARAMS) {
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p) {
     using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, true, Stages>;
     constexpr int Threads = Warps * 32, MT = Bc / (16 * Warps), NT = Br / 8, DT = D / 8, ET = E / 8;
     static_assert(MT >= 1 && Bc == 16 * MT * Warps, "Bc must be 16 x Warps x (m16 tiles per warp)");
-    static_assert(Br % 16 == 0 && Br <= 128, "Br must be a multiple of 16 up to 128");
-    static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
+    static_assert(Br % 16 == 0 && Br <= mma_backward::kMaxSwept, "Br must be a multiple of 16 up to 128");
+    static_assert(D % 32 == 0 && E % 32 == 0 && D <= mma_backward::kMaxHeadDim && E <= mma_backward::kMaxHeadDim,
+                  "head-dim buckets are multiples of 32");
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
@@ -196,50 +204,39 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
     T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
     T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
     RowTerm<float>* terms_s = reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset);
-
-    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
-    const long long b = batch_item();
-    if (b >= g.batch_count) return;
-    const long long j0 = blockIdx.x * (long long)Bc, offset = m - n;
-    const int keys = (int)min_ll(Bc, m - j0);
-    const KeyRange queries = query_range(j0, j0 + keys, n, offset, left, right);
-    const OperandStrides &gdo = g.op[kDout], &gdk = g.op[kDk], &gdv = g.op[kDv];
-    // The block's view of the launch (its query tile the first swept one) and its sweep, worked out by one thread
-    // and read from shared memory where used (Sweep). The plain query tiles see every key of the block (all Bc
-    // of them; the window transposed: seen_whole), with neither mask nor bias. Whole query tiles of 16-byte rows
-    // from the first plain one on come through each thread's chunk loaders, the others (a short last tile, those
-    // before the first plain one, strided views) through the general copy.
+    if (!in_batch(p)) return;
+    // The block's view of the launch (its keys, and the queries that see them: the swept tiles) and its sweep.
+    // The plain query tiles see every key of the block, with neither mask nor bias (plain_tiles). Whole query
+    // tiles of 16-byte rows from the first plain one on come through each thread's chunk loaders, the others (a
+    // short last tile, those before the first plain one, strided views) through the general copy.
     using QLoader = mma::ChunkLoader<T, Br, D, Threads>;
     using OLoader = mma::ChunkLoader<T, Br, E, Threads>;
-    if (threadIdx.x == 0) {
-        const BlockOperands o{queries.begin, 0, {j0, j0 + keys}, batch_offsets(g, b), g.op[kQ], g.op[kK],
-                              g.op[kV], g.op[kMask], g.op[kBias], g.op[kOut], g.op[kLse], offset,
-                              (flags & kHasMask) != 0, (flags & kHasBias) != 0, (flags & kBiasHides) != 0};
-        const bool chunk_loads = mma::chunk_loads<QLoader, OLoader>(o.q.row, gdo.row, flags & kVectorQ,
-                                                                    flags & kVectorDout, d, e);
-        const TileRange plain = o.has_mask || o.has_bias || keys < Bc
-                                    ? TileRange{0, 0} : seen_whole(queries, Br, j0, keys, -offset, right, left);
-        new (smem + Smem::sweep_offset) Sweep{o, SweepOrder::of(queries, Br, plain, chunk_loads, Stages)};
-    }
-    __syncthreads();
-    const Sweep& sweep = *reinterpret_cast<const Sweep*>(smem + Smem::sweep_offset);
+    const Sweep& sweep = shared_sweep(smem + Smem::sweep_offset, [&] {
+        const BlockOperands ops = key_block<Bc>(p);
+        const bool chunk_loads = mma::chunk_loads<QLoader, OLoader>(ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
+                                                                    ops.source(p.dout, kDout, p.e, p.flags,
+                                                                               kVectorDout));
+        const TileRange plain = plain_tiles<Br, Bc, true>(ops, p.left, p.right, true);
+        return Sweep{ops, SweepOrder::of(ops.queries, Br, plain, chunk_loads, Stages)};
+    });
     const BlockOperands& ops = sweep.ops;
     const SweepOrder& order = sweep.order;
-    const RowTerm<float>* const terms_b = row_terms_of(terms, ops.base);
+    const Range& queries = ops.queries;
+    const long long j0 = ops.keys.begin;
+    const int keys = ops.keys.size();
+    const RowTerm<float>* const terms_b = row_terms_of(p.terms, ops.base);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // this warp's first key row within the tile
     float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
     unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
 
-    load_tile_async<T, Bc, D, Smem::LDD, Threads>(K_s, k + ops.base.of[kK] + j0 * ops.k.row, ops.k.row, ops.k.col, keys,
-                                                  (int)d, flags & kVectorK);
-    load_tile_async<T, Bc, E, Smem::LDE, Threads>(V_s, v + ops.base.of[kV] + j0 * ops.v.row, ops.v.row, ops.v.col, keys,
-                                                  (int)e, flags & kVectorV);
+    load_rows_async<T, Bc, D, Smem::LDD, Threads>(K_s, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
+    load_rows_async<T, Bc, E, Smem::LDE, Threads>(V_s, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
     ptx::cp_async_commit();
 
     const long long chunks_from = queries.begin + (long long)order.plain.lo * Br;
-    QLoader Q_load(q + ops.base.of[kQ] + chunks_from * ops.q.row, ops.q.row, (int)d, Q_s);
-    OLoader dO_load(dout + ops.base.of[kDout] + chunks_from * gdo.row, gdo.row, (int)e, dO_s);
+    QLoader Q_load(ops.row_of(p.q, kQ, chunks_from), ops.strides(kQ).row, (int)p.d, Q_s);
+    OLoader dO_load(ops.row_of(p.dout, kDout, chunks_from), ops.strides(kDout).row, (int)p.e, dO_s);
 
     // Query tile `tile`'s Q_i, dO_i and row terms into stage `stage`.
     const auto load_queries = [&](int tile, int stage, int hop, auto steady) {
@@ -249,12 +246,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
             Q_load.next(hop);
             dO_load.next(hop);
         } else {
-            load_tile_async<T, Br, D, Smem::LDD, Threads>(Q_s + stage * Br * Smem::LDD, q + ops.base.of[kQ] +
-                                                          i0 * ops.q.row, ops.q.row, ops.q.col, rows, (int)d,
-                                                          flags & kVectorQ);
-            load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s + stage * Br * Smem::LDE, dout + ops.base.of[kDout] +
-                                                          i0 * gdo.row, gdo.row, gdo.col, rows, (int)e,
-                                                          flags & kVectorDout);
+            load_rows_async<T, Br, D, Smem::LDD, Threads>(Q_s + stage * Br * Smem::LDD,
+                                                         ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
+            load_rows_async<T, Br, E, Smem::LDE, Threads>(dO_s + stage * Br * Smem::LDE,
+                                                         ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0,
+                                                         rows);
         }
         load_row_terms<Br, Threads, true>(terms_s + stage * Br, terms_b, i0, rows);
         ptx::cp_async_commit();
@@ -280,9 +276,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
 #pragma unroll
                         for (int x = 0; x < 2; ++x) {
                             const RowTerm<float> t = terms_i[8 * nt + 2 * quad_col + x];
-                            float& p = P[mt][nt][2 * h + x];
+                            float& p_ij = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
-                            mma::plain_gradient(p, ds, t.shift, t.delta, scale_log2, p, ds);
+                            mma::plain_gradient(p_ij, ds, t.shift, t.delta, p.scale_log2, p_ij, ds);
                         }
             mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
             mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
@@ -290,7 +286,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
         }
         const long long i0 = queries.begin + (long long)tile * Br;
         const int rows = (int)min_ll(Br, queries.end - i0);
-        const bool partial = tile_is_partial(ops, i0, rows, j0, keys, Bc, left, right);
+        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
+        const Scores<float> scores = Scores<float>::of(ops, p, i0 + rows);
+        const bool partial = scores.partial(i0, rows, j0, keys, Bc);
         unsigned hidden[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -303,12 +301,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
                         const int ii = 8 * nt + 2 * quad_col + x;
-                        const RowTerm<float> t = terms_i[ii];
-                        float& p = P[mt][nt][2 * h + x];
+                        float& p_ij = P[mt][nt][2 * h + x];
                         float& ds = dS[mt][nt][2 * h + x];
-                        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-                        if (!score_gradient(false, p, ds, t.shift, t.delta, scale_log2, ops, bias, mask,
-                                            i0 + ii, j0 + r, r, keys, i0 + rows, left, right, partial, p, ds))
+                        if (!score_gradient(false, p_ij, ds, terms_i[ii], scores, i0 + ii, j0 + r, r, keys, partial,
+                                            p_ij, ds))
                             hidden[mt][h] |= 1u << (2 * nt + x);
                     }
             }
@@ -324,19 +320,20 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(CUFLASH_BACKWARD_P
     };
     mma::sweep<Stages>(order, load_queries, visit);
     ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
-    mma::store_fragments<MT, D>(dk + ops.base.of[kDk] + j0 * gdk.row, dK, scale, gdk.row, gdk.col, warp_row, keys,
-                                d, lane);
-    mma::store_fragments<MT, E>(dv + ops.base.of[kDv] + j0 * gdv.row, dV, 1.0f, gdv.row, gdv.col, warp_row, keys,
-                                e, lane);
+    mma::store_fragments<MT, D>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row, ops.strides(kDk).col,
+                                warp_row, keys, p.d, lane);
+    mma::store_fragments<MT, E>(ops.row_of(p.dv, kDv, j0), dV, 1.0f, ops.strides(kDv).row, ops.strides(kDv).col,
+                                warp_row, keys, p.e, lane);
 }
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PARAMS) {
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
     using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false, Stages>;
     constexpr int Threads = Warps * 32, MT = Br / (16 * Warps), NT = Bc / 8, DT = D / 8;
     static_assert(MT >= 1 && Br == 16 * MT * Warps, "Br must be 16 x Warps x (m16 tiles per warp)");
-    static_assert(Bc % 16 == 0 && Bc <= 128, "Bc must be a multiple of 16 up to 128");
-    static_assert(D % 32 == 0 && E % 32 == 0 && D <= 128 && E <= 128, "head-dim buckets are multiples of 32");
+    static_assert(Bc % 16 == 0 && Bc <= mma_backward::kMaxSwept, "Bc must be a multiple of 16 up to 128");
+    static_assert(D % 32 == 0 && E % 32 == 0 && D <= mma_backward::kMaxHeadDim && E <= mma_backward::kMaxHeadDim,
+                  "head-dim buckets are multiples of 32");
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
@@ -344,45 +341,38 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
     T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
     RowTerm<float>* terms_s = reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset);
-
-    const Geometry& g = *reinterpret_cast<const Geometry*>(geometry);
-    const long long b = batch_item();
-    if (b >= g.batch_count) return;
-    const OperandStrides &gdo = g.op[kDout], &gdq = g.op[kDq], &gdb = g.op[kDbias];
-    // The block's view of the launch and its sweep, worked out by one thread and read from shared memory where
-    // used (Sweep). The plain key tiles: plain_tiles (full, seen by every query of the block, no mask or bias).
-    // Whole key tiles of 16-byte rows from the first plain one on come through each thread's chunk loaders, the
-    // others (a short last tile, those before the first plain one, strided views) through the general copy.
+    if (!in_batch(p)) return;
+    // The block's view of the launch and its sweep. The plain key tiles: plain_tiles (full, seen by every query of
+    // the block, no mask or bias). Whole key tiles of 16-byte rows from the first plain one on come through each
+    // thread's chunk loaders, the others (a short last tile, those before the first plain one, strided views)
+    // through the general copy.
     using KLoader = mma::ChunkLoader<T, Bc, D, Threads>;
     using VLoader = mma::ChunkLoader<T, Bc, E, Threads>;
-    if (threadIdx.x == 0) {
-        const BlockOperands o = block_operands<Br, false>(g, b, n, m, left, right, flags);
-        const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(o.k.row, o.v.row, flags & kVectorK,
-                                                                    flags & kVectorV, d, e);
-        new (smem + Smem::sweep_offset)
-            Sweep{o, SweepOrder::of(o.keys, Bc, plain_tiles(o, Bc, left, right, true), chunk_loads, Stages)};
-    }
-    __syncthreads();
-    const Sweep& sweep = *reinterpret_cast<const Sweep*>(smem + Smem::sweep_offset);
+    const Sweep& sweep = shared_sweep(smem + Smem::sweep_offset, [&] {
+        const BlockOperands ops = query_block<Br, false>(p);
+        const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(ops.source(p.k, kK, p.d, p.flags, kVectorK),
+                                                                    ops.source(p.v, kV, p.e, p.flags, kVectorV));
+        const TileRange plain = plain_tiles<Br, Bc, false>(ops, p.left, p.right, true);
+        return Sweep{ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages)};
+    });
     const BlockOperands& ops = sweep.ops;
     const SweepOrder& order = sweep.order;
-    const long long& i0 = ops.i0;
-    const int& rows = ops.rows;
+    const long long& i0 = ops.queries.begin;
+    const int rows = ops.queries.size();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // this warp's first query row within the tile
     float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
     unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
 
-    load_tile_async<T, Br, D, Smem::LDD, Threads>(Q_s, q + ops.base.of[kQ] + i0 * ops.q.row, ops.q.row, ops.q.col, rows,
-                                                  (int)d, flags & kVectorQ);
-    load_tile_async<T, Br, E, Smem::LDE, Threads>(dO_s, dout + ops.base.of[kDout] + i0 * gdo.row, gdo.row, gdo.col,
-                                                  rows, (int)e, flags & kVectorDout);
-    load_row_terms<Br, Threads, true>(terms_s, row_terms_of(terms, ops.base), i0, rows);
+    load_rows_async<T, Br, D, Smem::LDD, Threads>(Q_s, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
+    load_rows_async<T, Br, E, Smem::LDE, Threads>(dO_s, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0,
+                                                 rows);
+    load_row_terms<Br, Threads, true>(terms_s, row_terms_of(p.terms, ops.base), i0, rows);
     ptx::cp_async_commit();
 
     const long long chunks_from = ops.keys.begin + (long long)order.plain.lo * Bc;
-    KLoader K_load(k + ops.base.of[kK] + chunks_from * ops.k.row, ops.k.row, (int)d, K_s);
-    VLoader V_load(v + ops.base.of[kV] + chunks_from * ops.v.row, ops.v.row, (int)e, V_s);
+    KLoader K_load(ops.row_of(p.k, kK, chunks_from), ops.strides(kK).row, (int)p.d, K_s);
+    VLoader V_load(ops.row_of(p.v, kV, chunks_from), ops.strides(kV).row, (int)p.e, V_s);
 
     // Key tile `tile`'s K_j and V_j into stage `stage`.
     const auto load_kv = [&](int tile, int stage, int hop, auto steady) {
@@ -392,12 +382,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
         } else {
             const long long j0 = ops.keys.begin + (long long)tile * Bc;
             const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-            load_tile_async<T, Bc, D, Smem::LDD, Threads>(K_s + stage * Bc * Smem::LDD, k + ops.base.of[kK] +
-                                                          j0 * ops.k.row, ops.k.row, ops.k.col, cols, (int)d,
-                                                          flags & kVectorK);
-            load_tile_async<T, Bc, E, Smem::LDE, Threads>(V_s + stage * Bc * Smem::LDE, v + ops.base.of[kV] +
-                                                          j0 * ops.v.row, ops.v.row, ops.v.col, cols, (int)e,
-                                                          flags & kVectorV);
+            load_rows_async<T, Bc, D, Smem::LDD, Threads>(K_s + stage * Bc * Smem::LDD,
+                                                         ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, cols);
+            load_rows_async<T, Bc, E, Smem::LDE, Threads>(V_s + stage * Bc * Smem::LDE,
+                                                         ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, cols);
         }
         ptx::cp_async_commit();
     };
@@ -420,9 +408,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                         for (int x = 0; x < 2; ++x) {
-                            float& p = P[mt][nt][2 * h + x];
+                            float& p_ij = P[mt][nt][2 * h + x];
                             float& ds = dS[mt][nt][2 * h + x];
-                            mma::plain_gradient(p, ds, t.shift, t.delta, scale_log2, p, ds);
+                            mma::plain_gradient(p_ij, ds, t.shift, t.delta, p.scale_log2, p_ij, ds);
                         }
                 }
             mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
@@ -430,7 +418,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
         }
         const long long j0 = ops.keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        const bool partial = tile_is_partial(ops, j0, cols, Bc, left, right);
+        const Scores<float> scores = Scores<float>::of(ops, p, p.n);
+        const bool partial = scores.partial(i0, rows, j0, cols, Bc);
         unsigned hidden[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -445,13 +434,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
 #pragma unroll
                     for (int x = 0; x < 2; ++x) {
                         const int jj = 8 * nt + 2 * quad_col + x;
-                        float& p = P[mt][nt][2 * h + x];
+                        float& p_ij = P[mt][nt][2 * h + x];
                         float& ds = dS[mt][nt][2 * h + x];
-                        if (!score_gradient(false, p, ds, t.shift, t.delta, scale_log2, ops, bias, mask, i,
-                                            j0 + jj, jj, cols, n, left, right, partial, p, ds))
+                        if (!score_gradient(false, p_ij, ds, t, scores, i, j0 + jj, jj, cols, partial, p_ij, ds))
                             hidden[mt][h] |= 1u << (2 * nt + x);
-                        if ((flags & kWantDbias) && r < rows && jj < cols)
-                            dbias[ops.base.of[kDbias] + i * gdb.row + (j0 + jj) * gdb.col] = ds;
+                        if ((p.flags & kWantDbias) && r < rows && jj < cols)
+                            ops.row_of(p.dbias, kDbias, i)[(j0 + jj) * ops.strides(kDbias).col] = ds;
                     }
             }
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads>(K_j, cols));
@@ -462,8 +450,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(CUFLASH_BACKWARD_PAR
     };
     mma::sweep<Stages>(order, load_kv, visit);
     ptx::cp_async_wait<0>();  // no key is visible: Q_i and dO_i were never waited for
-    mma::store_fragments<MT, D>(dq + ops.base.of[kDq] + i0 * gdq.row, dQ, scale, gdq.row, gdq.col, warp_row, rows,
-                                d, lane);
+    mma::store_fragments<MT, D>(ops.row_of(p.dq, kDq, i0), dQ, p.scale, ops.strides(kDq).row, ops.strides(kDq).col,
+                                warp_row, rows, p.d, lane);
 }
 
 }  // namespace cuflash

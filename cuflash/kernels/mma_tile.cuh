@@ -4,8 +4,7 @@
 // accumulator holds rows g and g + 8, columns 2t and 2t + 1.
 #pragma once
 
-#include "ptx.cuh"
-#include "tile.cuh"
+#include "block.cuh"
 
 namespace cuflash {
 namespace mma {
@@ -85,12 +84,7 @@ template <int Stages> struct StageRing {
     }
 };
 
-// The n8 tiles of an accumulator array S[MT][NT][4] (or a reference to one): NT.
-template <typename A> struct N8Tiles;
-template <typename A> struct N8Tiles<A&> : N8Tiles<A> {};
-template <typename Acc, int MT, int NT> struct N8Tiles<Acc[MT][NT][4]> { static constexpr int value = NT; };
-
-// A compile-time flag passed to a generic lambda (the forward's key tile: steady or not).
+// A compile-time flag passed to a generic lambda (the backward's swept tile: steady or not).
 template <bool V> struct Steady { static constexpr bool value = V; };
 
 // One thread's share of full tiles (all Rows rows) of 16-byte chunks streamed through shared stages,
@@ -138,11 +132,10 @@ struct ChunkLoader {
 
 // Whether the whole tiles of two operands swept together (K and V, Q and dO) go through chunk loaders A and B: rows
 // the loaders can address, 16-byte copies (the launch's vector flags) and widths of whole chunks, for both.
-template <typename A, typename B>
-__device__ __forceinline__ bool chunk_loads(long long a_row, long long b_row, bool a_vector, bool b_vector,
-                                            long long a_cols, long long b_cols) {
-    return A::usable(a_row) && B::usable(b_row) && a_vector && b_vector && a_cols % A::kChunk == 0 &&
-           b_cols % B::kChunk == 0;
+template <typename A, typename B, typename T>
+__device__ __forceinline__ bool chunk_loads(const TileSource<T>& a, const TileSource<T>& b) {
+    return A::usable(a.row) && B::usable(b.row) && a.vector && b.vector && a.width % A::kChunk == 0 &&
+           b.width % B::kChunk == 0;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -160,20 +153,6 @@ template <int LD, int C = kChunk> __device__ __forceinline__ int b_nk_lane(int l
 template <int LD> __device__ __forceinline__ int b_kn_lane(int lane) {
     return ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (lane >> 4);
 }
-// The fragments at (row0, col0) of a tile whose lane address (tile + the shape's lane offset) is `at`.
-template <int LD, typename T>
-__device__ __forceinline__ void load_a(unsigned (&a)[4], ptx::SharedAddr at, int row0, int col0) {
-    ptx::ldmatrix_x4(a, at + (row0 * LD + col0) * (int)sizeof(T));
-}
-template <int LD, typename T>
-__device__ __forceinline__ void load_b_nk(unsigned (&b)[4], ptx::SharedAddr at, int n0, int k0) {
-    ptx::ldmatrix_x4(b, at + (n0 * LD + k0) * (int)sizeof(T));
-}
-template <int LD, typename T>
-__device__ __forceinline__ void load_b_kn(unsigned (&b)[4], ptx::SharedAddr at, int k0, int n0) {
-    ptx::ldmatrix_x4_trans(b, at + (k0 * LD + n0) * (int)sizeof(T));
-}
-
 // A operand (16 x 16, row-major) at (row0, col0) of a tile: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15),
 // in the order a0..a3 of mma.m16n8k16.
 template <int LD, typename T>
@@ -207,10 +186,6 @@ __device__ __forceinline__ void load_b_kn(unsigned (&b)[4], const T* tile, int k
 
 struct Frag4 { unsigned r[4]; };  // four 32-bit registers, as ldmatrix.x4 fills them
 
-__device__ __forceinline__ float exp2_fast(float x) { return ptx::ex2_approx_ftz(x); }
-__device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
-__device__ __forceinline__ float fma_(float a, float b, float c) { return fmaf(a, b, c); }
-__device__ __forceinline__ double fma_(double a, double b, double c) { return fma(a, b, c); }
 
 // __half and __nv_bfloat16: mma.m16n8k16, fragments through ldmatrix, P rounded to T as the A operand of P V,
 // V_j through ldmatrix.trans. Passes is unused.
@@ -436,18 +411,6 @@ template <int Passes> struct FwdMath<double, Passes> {
         *reinterpret_cast<uint4*>(at) = *reinterpret_cast<const uint4*>(&pair);
     }
 };
-
-// ---------------------------------------------------------------------------------------------------------------
-// Row reductions over the four lanes (a quad) that hold one accumulator row.
-
-template <typename A> __device__ __forceinline__ A quad_max(A x) {
-    x = max_(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return max_(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-template <typename A> __device__ __forceinline__ A quad_sum(A x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The rare path: hidden keys whose value rows hold inf or NaN.

@@ -34,6 +34,14 @@ __device__ __forceinline__ double log2_(double x) { return log2(x); }
 // fmax ignores a NaN operand: a NaN score still reaches the output through exp2(NaN - m).
 __device__ __forceinline__ float max_(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max_(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float fma_(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma_(double a, double b, double c) { return fma(a, b, c); }
+// exp2 on the MUFU unit for float (ex2.approx, flush-to-zero: a P below 2^-126 of its row's maximum is
+// negligible), the accurate one for double: the tensor-core kernels' P.
+__device__ __forceinline__ float exp2_fast(float x) { return ptx::ex2_approx_ftz(x); }
+__device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
+
+constexpr double kLn2 = 0.6931471805599453;  // lse = (m_i + log2 l_i) ln 2
 
 template <typename A> __device__ __forceinline__ A infinity();
 #if defined(__CUDACC__)
@@ -87,6 +95,32 @@ struct Geometry {
     // Split keys (flash-decoding; 0: none): split s of the key axis sweeps keys [s * split_keys, (s + 1) *
     // split_keys) and writes its partial out and lse split_out and split_lse elements past split 0's.
     long long split_keys, split_out, split_lse;
+};
+
+// Everything a kernel takes, one struct passed by value (its layout declared once in cuflash/launch.py, PARAMS,
+// and checked against this by the compiler): every operand (null where absent; the forward's first, then the
+// backward's, in Operand's order), the geometry table, the problem's sizes, the window's reach (left, right: n +
+// m + 1 for an unbounded side), scale log2(e) and scale, and the launch flags (LaunchFlags). O: the output's
+// element type (the accumulator's for split keys' partial results).
+template <typename T, typename O = T> struct Params {
+    using Acc = typename AccOf<T>::type;
+    const T* q;
+    const T* k;
+    const T* v;
+    const bool* mask;
+    const Acc* bias;  // in the accumulator type (the launch casts the un-broadcast original once)
+    O* out;
+    Acc* lse;
+    const T* dout;
+    const Acc* terms;  // the backward's row terms, two per query row
+    Acc* dq;
+    Acc* dk;
+    Acc* dv;
+    Acc* dbias;
+    const Geometry* geometry;
+    long long n, m, d, e, left, right;
+    Acc scale_log2, scale;
+    int flags;
 };
 
 struct BatchOffsets { long long of[kOperands]; };

@@ -270,7 +270,10 @@ class Function:
         self._max_dynamic = n
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False,
-                 seed=None, workers=None):
+                 seed=None, workers=None, arrays=()):
+        """Launch (CuPy's arguments, and the emulator's seed and workers). arrays: in profile mode, arrays the
+        kernel reaches through pointers inside a struct argument, counted as global memory like array
+        arguments."""
         grid, block = _dims(grid, "grid", self.name), _dims(block, "block", self.name)
         _check_config(self.name, grid, block)
         shared_mem = int(shared_mem)
@@ -282,16 +285,17 @@ class Function:
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"kernel {self.name!r}: args must be a tuple, not {type(args).__name__}")
         if len(args) != self.num_args:
-            raise TypeError(f"kernel {self.name!r} takes {self.num_args} arguments ({', '.join(map(c_name, self.signature))}),"
-                            f" {len(args)} given")
+            raise TypeError(f"kernel {self.name!r} takes {self.num_args} arguments "
+                            f"({', '.join(map(c_name, self.signature))}), {len(args)} given")
         holders = [_convert(self.name, i, code, a) for i, (code, a) in enumerate(zip(self.signature, args))]
         argv = (ctypes.c_void_p * max(1, len(holders)))(*[ctypes.addressof(h) for h in holders])
         order, seed_value = _resolve_schedule(seed if seed is not None else self.module.seed)
-        nworkers = workers or self.module.workers or int(os.environ.get("CUFLASH_SIMT_WORKERS", 0)) or os.cpu_count() or 1
+        nworkers = (workers or self.module.workers or int(os.environ.get("CUFLASH_SIMT_WORKERS", 0)) or
+                    os.cpu_count() or 1)
         err = ctypes.create_string_buffer(8192)
         profiling = self.module.mode == "profile"
         if profiling:
-            _profile.name_arrays(self.module._lib, args)
+            _profile.name_arrays(self.module._lib, tuple(args) + tuple(arrays))
         rc = self.module._lib.cuflash_simt_launch(
             self._index, argv, (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
             self.module.max_dynamic_shared, order, seed_value, nworkers, self.module.stack_size, err, len(err))

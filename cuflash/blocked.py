@@ -1,0 +1,228 @@
+"""The blocked algorithm on an array library's matmul: the seed's tiled online softmax, vectorized over batch
+items and query rows (the numpy backend), and FlashAttention-2's blocked backward (the numpy backend's, and the
+GPU backends' where their kernels do not serve a shape: written in the arrays' module, problem.xp).
+
+Each step holds a row tile of R query rows (from one or more batch items) and a key tile of Bc keys; the scores
+of that tile are the largest thing it allocates, so the working set is bounded by WORKING_SET_BYTES whatever
+n * m is. Broadcast operands stay stride-0 views: tiles are sliced from them, never copied whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .tiling import block_pair
+
+WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
+DEFAULT_BC = 512  # keys per tile: large enough that matmul, not Python, dominates
+TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibility and a where() result
+BACKWARD_TEMPS_PER_SCORE = 6  # the backward's: S, P, dO V^T, dS, the visibility and a where() result
+
+
+def run(problem, out, lse, block=None):
+    rows_per_step, bc = tile_sizes(problem, block)
+    # A causal or windowed problem's row tiles are no taller than a key tile: the key tiles its window hides
+    # are skipped, and few tiles straddle its edge.
+    item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
+    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
+        o, row_lse = attend_rows(problem, index, i0, i1, bc)
+        out[index + (slice(i0, i1),)] = o.astype(problem.dtype, copy=False)
+        if lse is not None:
+            lse[index + (slice(i0, i1),)] = row_lse
+
+
+def tile_sizes(problem, block, temps=TEMPS_PER_SCORE):
+    """(query rows per step, counting all batch items of the step; keys per tile), for `temps` score-sized
+    temporaries alive at once."""
+    if block is not None:
+        br, bc = check_block(block)
+        return br, bc
+    bc = max(1, min(DEFAULT_BC, problem.m))
+    score_bytes = temps * problem.acc_dtype.itemsize * bc
+    row_bytes = score_bytes + 3 * problem.acc_dtype.itemsize * (problem.d + problem.e)
+    return max(1, WORKING_SET_BYTES // row_bytes), bc
+
+
+def check_block(block):
+    """(Br, Bc) from a pair or a BlockConfig (whose warps, stages and variant mean nothing here)."""
+    if hasattr(block, "Br") and hasattr(block, "Bc"):
+        return block.Br, block.Bc
+    return block_pair(block)
+
+
+def row_tiles(batch, n, rows_per_step, item_rows=None):
+    """Yield (batch index, i0, i1), the index a tuple of one int or slice per batch dim: whole trailing batch
+    dims and a slice of one more, so that (items selected) * (i1 - i0) <= rows_per_step whenever a single row
+    of one item allows it. Items of more than item_rows rows (default rows_per_step) are tiled one by one."""
+    item_rows = rows_per_step if item_rows is None else item_rows
+    if n > item_rows or n >= rows_per_step or not batch:
+        step = min(n, item_rows)
+        for index in np.ndindex(*batch):
+            for i0 in range(0, n, step):
+                yield index, i0, min(n, i0 + step)
+        return
+    items = max(1, rows_per_step // n)
+    split = len(batch)  # batch dims from `split` on are taken whole
+    while split > 0 and math.prod(batch[split - 1:]) <= items:
+        split -= 1
+    whole = (slice(None),) * (len(batch) - split)
+    if split == 0:
+        yield whole, 0, n
+        return
+    chunk = max(1, items // math.prod(batch[split:]))
+    for outer in np.ndindex(*batch[:split - 1]):
+        for b0 in range(0, batch[split - 1], chunk):
+            yield outer + (slice(b0, min(batch[split - 1], b0 + chunk)),) + whole, 0, n
+
+
+def attend_rows(problem, index, i0, i1, bc):
+    """Online softmax over the key tiles for query rows [i0, i1) of the batch items selected by index.
+
+    Returns O_i / l_i in acc dtype and the rows' lse."""
+    acc = problem.acc_dtype
+    rows = index + (slice(i0, i1),)
+    q_i = problem.q[rows].astype(acc)  # a copy: scaled in place, so the scores need no pass of their own
+    q_i *= acc.type(problem.scale)
+    shape = q_i.shape[:-1]
+    m_i = np.full(shape, -np.inf, dtype=acc)  # running max of the scores
+    l_i = np.zeros(shape, dtype=acc)  # running sum of exp(score - m_i)
+    o_i = np.zeros(shape + (problem.e,), dtype=acc)  # unnormalized output
+    j_start, j_stop = problem.key_range(i0, i1)
+    for j0 in range(j_start, j_stop, bc):
+        j1 = min(j_stop, j0 + bc)
+        s_ij, visible = tile_scores(problem, index, q_i, i0, i1, j0, j1)
+        m_i, l_i, o_i = online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1)
+    nothing_visible = l_i == 0  # fully masked rows give 0 and lse -inf; NaN rows stay NaN
+    with np.errstate(divide="ignore", invalid="ignore"):
+        o = np.where(nothing_visible[..., None], 0, o_i / l_i[..., None])
+        row_lse = np.where(nothing_visible, -np.inf, m_i + np.log(l_i))
+    return o, row_lse.astype(acc, copy=False)
+
+
+def tile_scores(problem, index, q_i, i0, i1, j0, j1):
+    """S_ij = (scale * q_i) @ k_j.T + bias, with hidden keys set to -inf by selection; and the visibility
+    (None when every key of the tile is visible). A -inf bias hides its key as the mask does, so a NaN in that
+    key's scores or values never counts. In the arrays' own module (the cupy backend's backward uses it too)."""
+    xp, acc = problem.xp, problem.acc_dtype
+    k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
+    s_ij = xp.matmul(q_i, xp.swapaxes(k_j, -1, -2))
+    tile = index + (slice(i0, i1), slice(j0, j1))
+    visible = None
+    if not problem.tile_fully_visible(i0, i1, j0, j1):
+        visible = problem.window_tile(i0, i1, j0, j1)
+    if problem.mask is not None:
+        visible = problem.mask[tile] if visible is None else problem.mask[tile] & visible
+    if problem.bias is not None:
+        bias = problem.bias[tile]  # in the accumulation type already
+        s_ij += bias
+        if problem.bias_hides:
+            shown = bias != -np.inf
+            visible = shown if visible is None else visible & shown
+    if visible is not None:
+        s_ij = xp.where(visible, s_ij, -np.inf)
+    return s_ij, visible
+
+
+def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
+    """The seed's update: new running max, rescale the old sum and output, add this tile's share."""
+    m_new = np.maximum(m_i, s_ij.max(axis=-1))
+    m_safe = np.where(m_new == -np.inf, 0, m_new)  # rows with nothing visible yet: exp(-inf - 0) = 0
+    p_ij = exp_shifted(s_ij, m_safe[..., None])  # S_ij is not needed again: P_ij takes its memory
+    alpha = np.exp(m_i - m_safe)
+    l_new = alpha * l_i + p_ij.sum(axis=-1)
+    v_j = problem.v[index + (slice(j0, j1),)].astype(problem.acc_dtype, copy=False)
+    o_new = alpha[..., None] * o_i + weighted_values(p_ij, v_j, visible)
+    return m_new, l_new, o_new
+
+
+def exp_shifted(s, shift, xp=np):
+    """exp(s - shift) in place of s (shift broadcast along the last axis): the softmax's numerator, with no
+    score-sized temporary."""
+    s -= shift
+    return xp.exp(s, out=s)
+
+
+def score_gradient_in_place(dp, p, delta):
+    """dS = P * (dP - D) in place of dP (D broadcast along the last axis)."""
+    with np.errstate(invalid="ignore"):
+        dp -= delta
+        dp *= p
+    return dp
+
+
+def weighted_values(p_ij, v_j, visible, xp=np, all_finite=None):
+    """P_ij @ V_j where hidden keys are removed by selection: a NaN or inf in a hidden value row must not
+    reach the output through 0 * inf. Finite tiles (the common case) take the plain matmul. The backward uses it
+    for every product over a tile's keys or rows (visible then pairs the contraction index with the rows);
+    all_finite: whether v_j is known to be all finite (None: look)."""
+    if visible is None or all_finite:
+        return xp.matmul(p_ij, v_j)
+    finite = xp.isfinite(v_j)
+    if bool(finite.all()):
+        return xp.matmul(p_ij, v_j)
+    result = xp.matmul(p_ij, xp.where(finite, v_j, 0))
+    # Add back the non-finite entries, only for the rows that see them.
+    bad_keys = xp.nonzero(~finite.all(axis=tuple(range(v_j.ndim - 2)) + (-1,)))[0].tolist()
+    for j in bad_keys:
+        v_bad = xp.where(finite[..., j, :], 0, v_j[..., j, :])  # (..., e): only the non-finite entries
+        with np.errstate(invalid="ignore"):  # 0 * inf in hidden rows: selected away just below
+            contribution = p_ij[..., :, j, None] * v_bad[..., None, :]  # (..., rows, e)
+        result += xp.where(visible[..., :, j, None], contribution, 0)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backward pass
+
+
+def run_backward(problem, dout, out, lse, grads, block=None):
+    """FlashAttention-2's backward over the forward's tiles: per tile, P_ij = exp(S_ij - lse_i) is recomputed from
+    q, k and the saved lse (never stored), and
+
+        dV_j += P_ij^T dO_i,   dS_ij = P_ij * (dO_i V_j^T - D_i),   dQ_i += scale dS_ij K_j,   dK_j += scale dS_ij^T Q_i
+
+    with D_i = rowsum(dO_i * O_i) (FlashAttention-2's preprocessing). grads = (dq, dk, dv, dbias or None): arrays
+    over the whole batch in the accumulator type, zeroed, accumulated here in a fixed order (deterministic);
+    dbias_ij = dS_ij. Hidden pairs contribute nothing, by selection. Written in the arrays' module (problem.xp),
+    so the cupy backend runs the same blocked code on CuPy's matmul."""
+    dq, dk, dv, dbias = grads
+    xp, acc = problem.xp, problem.acc_dtype
+    scale = acc.type(problem.scale)
+    rows_per_step, bc = tile_sizes(problem, block, BACKWARD_TEMPS_PER_SCORE)
+    item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
+    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
+        rows = index + (slice(i0, i1),)
+        q_i = problem.q[rows].astype(acc)
+        do_i = dout[rows].astype(acc)
+        lse_i = lse[rows].astype(acc)
+        shift = xp.where(lse_i == -np.inf, 0, lse_i)[..., None]  # a row that sees nothing: P = exp(-inf) = 0
+        with np.errstate(invalid="ignore"):
+            delta = problem.delta(do_i, out[rows])[..., None]
+        scaled_q_i = q_i * scale
+        # Whether dO_i and Q_i are finite, asked once for all their key tiles (the products skip the test).
+        do_finite, q_finite = (bool(xp.isfinite(x).all()) for x in (do_i, scaled_q_i))
+        j_start, j_stop = problem.key_range(i0, i1)
+        for j0 in range(j_start, j_stop, bc):
+            j1 = min(j_stop, j0 + bc)
+            keys = index + (slice(j0, j1),)
+            s_ij, visible = tile_scores(problem, index, scaled_q_i, i0, i1, j0, j1)
+            p_ij = exp_shifted(s_ij, shift, xp)  # S_ij is not needed again
+            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
+            visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
+            dv[keys] += weighted_values(xp.swapaxes(p_ij, -1, -2), do_i, visible_t, xp, do_finite)
+            scaled_k_j = problem.k[keys].astype(acc) * scale  # small: the scale folded into the operand
+            dq[rows] += weighted_values(ds_ij, scaled_k_j, visible, xp)
+            dk[keys] += weighted_values(xp.swapaxes(ds_ij, -1, -2), scaled_q_i, visible_t, xp, q_finite)
+            if dbias is not None:
+                dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
+
+
+def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
+    """dS_ij = P_ij * (dO_i V_j^T - D_i), zero for hidden pairs by selection (a NaN in a hidden value row makes
+    dO_i V_j^T NaN there)."""
+    xp = problem.xp
+    v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
+    ds_ij = score_gradient_in_place(xp.matmul(do_i, xp.swapaxes(v_j, -1, -2)), p_ij, delta)
+    return ds_ij if visible is None else xp.where(visible, ds_ij, 0)
