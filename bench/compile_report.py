@@ -14,7 +14,7 @@ import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
-from cuflash import cudacore, kernels, nvrtc, tiling
+from cuflash import kernels, nvrtc, tiling
 from cuflash.dtypes import FLOATS
 from cuflash.family import Shape
 
@@ -23,7 +23,7 @@ HEAD_DIMS = (16, 64, 128, 256, 512)
 
 
 def chosen(arch: str, head_dims=HEAD_DIMS):
-    """{name expression: model shared memory} of what the CUDA-core heuristic picks on arch's device: the forward,
+    """{name expression: its plan} of what the CUDA-core heuristic picks on arch's device: the forward,
     the forward for decoding (one query per head over 32k keys: split keys, partial results in the accumulator
     type) and both backward kernels (CUDA-core, head dims up to theirs)."""
     device = tiling.DeviceLimits.known(ARCH_DEVICES[arch])
@@ -34,29 +34,34 @@ def chosen(arch: str, head_dims=HEAD_DIMS):
                 plan = tiling.plan(Shape(dtype, d, d), device, "fma")
             except ValueError:
                 continue  # nothing fits this device
-            result[plan.name] = plan.shared_mem
+            result[plan.name] = plan
             decoding = tiling.plan(Shape(dtype, d, d, n=1, m=1 << 15), device)
             if decoding.splits > 1:
-                result[decoding.name] = decoding.shared_mem
+                result[decoding.name] = decoding
             try:
                 backward = tiling.backward_plans(Shape(dtype, d, d), device, "fma")
             except ValueError:
                 continue  # past the backward kernels' head dims
             for plan in backward:
-                result[plan.name] = plan.shared_mem
+                result[plan.name] = plan
     return result
 
 
-ENTRY = cudacore.BACKWARD_DQ.source  # includes the forward's file: one program holds every CUDA-core kernel
+def _report(arch, names_by_source):
+    """ptxas's usage of each instantiation, one NVRTC program per kernel source ({source: [names]})."""
+    usage = {}
+    for source, names in sorted(names_by_source.items()):
+        usage.update(_compiled(arch, source, sorted(names)))
+    return usage
 
 
-def _report(arch, names):
-    key = hashlib.sha256((kernels.source(ENTRY) + arch + "\n".join(sorted(names))).encode()).hexdigest()[:24]
+def _compiled(arch, source, names):
+    key = hashlib.sha256((kernels.source(source) + arch + "\n".join(names)).encode()).hexdigest()[:24]
     cache = os.path.join(tempfile.gettempdir(), f"cuflash-compile-{key}.json")
     if os.path.exists(cache):
         with open(cache) as f:
             return json.load(f)
-    usage = {name: vars(u) for name, u in nvrtc.compile_report(sorted(names), arch, ENTRY).items()}
+    usage = {name: vars(u) for name, u in nvrtc.compile_report(names, arch, source).items()}
     with open(cache + ".tmp", "w") as f:
         json.dump(usage, f)
     os.replace(cache + ".tmp", cache)
@@ -66,14 +71,20 @@ def _report(arch, names):
 def report(archs=tuple(ARCH_DEVICES), head_dims=HEAD_DIMS, workers=2):
     """[(arch, name, registers, spill stores, spill loads, stack frame, static smem, model dynamic smem)]."""
     plans = {arch: chosen(arch, head_dims) for arch in archs}
+    by_source = []
+    for arch in archs:
+        names: dict = {}
+        for name, plan in plans[arch].items():
+            names.setdefault(plan.source, []).append(name)
+        by_source.append(names)
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        usages = dict(zip(archs, pool.map(_report, archs, [list(plans[a]) for a in archs])))
+        usages = dict(zip(archs, pool.map(_report, archs, by_source)))
     rows = []
     for arch in archs:
-        for name, smem in plans[arch].items():
+        for name, plan in plans[arch].items():
             u = usages[arch][name]
             rows.append((arch, name, u["registers"], u["spill_stores"], u["spill_loads"], u["stack"],
-                         u["static_smem"], smem))
+                         u["static_smem"], plan.shared_mem))
     return rows
 
 

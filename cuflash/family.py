@@ -1,16 +1,16 @@
-"""A kernel family described once, as data: Shape (what planning depends on), BlockConfig (one configuration of
-a family) and Family (which problems a kernel takes, its tile candidates, its shared-memory and register model,
-its name expression and the reasons a configuration cannot run).
+"""A kernel family described once: Shape (what planning depends on), BlockConfig (one configuration of a family)
+and Family (which problems a kernel takes, its tile candidates, its shared-memory and register model, its name
+expression and the reasons a configuration cannot run).
 
-Each kernel module of the planner (cudacore.py, tensorcore.py) fills in one Family; the heuristic in tiling.py
-walks them. The sentences every family shares (threads, shared memory, registers, warps, the suggestion of a
-configuration that fits) are written here, once.
+Each kernel's description is a small subclass of Family beside its CUDA (cuflash/kernels/forward.py beside
+forward.cuh, ...); the heuristic in tiling.py walks them. The sentences every family shares (threads, shared
+memory, registers, warps, the suggestion of a configuration that fits) are written here, once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -20,11 +20,6 @@ LANES_PER_ROW = 16  # TC in the CUDA-core kernel: lanes that share a row group
 WARPS = (1, 2, 4, 8)  # warps per block every kernel runs
 WARP_PREFERENCE = (4, 8, 2, 1)  # the order in which (Br, Bc) given without warps tries them
 C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
-# A kernel's parameters, in order: its pointer operands (launch.OPERANDS names), the geometry table, its scalars.
-FORWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "out", "lse")
-FORWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "left", "right", "flags")
-BACKWARD_OPERANDS = ("q", "k", "v", "mask", "bias", "dout", "terms", "dq", "dk", "dv", "dbias")
-BACKWARD_SCALARS = ("n", "m", "d", "e", "scale_log2", "scale", "left", "right", "flags")
 # precision= (Shape.precision): how float32 may use tensor cores. "highest": float32-exact (3xTF32 on tensor cores,
 # or CUDA cores); "tf32": one TF32 pass; "fma": CUDA cores only, for any dtype.
 PRECISIONS = ("highest", "tf32", "fma")
@@ -79,11 +74,11 @@ class Shape:
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Tile sizes of a forward kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
+    """Tile sizes of a kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
 
-    variant names the family: "fma" is the CUDA-core kernel (any dtype; stages=1, or 2 to double-buffer K and V
-    through cp.async on compute capability 8.0+); "mma" the tensor-core kernel on compute capability 8.0+ (stages
-    2 or 3: BlockConfig.mma).
+    variant names the family: "fma" the CUDA-core kernels (any dtype; stages=1, or 2 to double-buffer the swept
+    tiles through cp.async on compute capability 8.0+); "mma" the tensor-core kernels on compute capability 8.0+
+    (the forward's stages 2 or 3: BlockConfig.mma; the backward's 1 or 2).
 
     head_tile ("fma" only): the widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d
     past it is swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256
@@ -122,60 +117,85 @@ class BlockConfig:
 Reasons = List[str]
 
 
-@dataclass(frozen=True, repr=False)
 class Family:
-    """One kernel, described once. Functions take (shape, config) unless said otherwise.
+    """One kernel, described once: a subclass per kernel, beside its CUDA in cuflash/kernels (forward.py for
+    forward.cuh, and so on), overrides what is its own; the heuristic within a family and the sentences every
+    family shares (threads, shared memory, registers, warps, the suggestion of a configuration that fits) are here.
 
-    variant: BlockConfig.variant of its configurations. title: how sentences name it. template: the kernel's
-    C++ name; source: its file in cuflash/kernels; shared_struct: the C struct its shared_memory_bytes mirrors.
-    eligibility(shape, device): why it cannot serve this dtype, these head dims or this device at all.
-    config_reasons(shape, config): why a configuration is malformed for it, whatever the device.
-    buckets: (D, E) of the instantiation. template_args(shape, config, split): the name expression's arguments.
-    column_width: the widest e one launch covers (wider e is split into column blocks).
-    candidates(shape): lists of configurations in preference order, tried list by list.
-    register_target: accumulator words a chosen configuration keeps at most; register_limit: past it, refused;
-    register_bounds_of(shape): (target, limit) where they depend on the dtype or precision (None: the two above).
-    register_advice: what to change when over the limit.
-    min_resident_warps: the heuristic takes only configurations that keep at least this many warps on an SM
-    (forced ones run whatever it is): fewer leave a tensor core waiting on memory, and the next family runs such
-    shapes instead.
-    kind: what it computes ("forward"; "dq" or "dkdv", the two halves of the backward). tiles_along: the axis its
-    blocks tile ("queries": one block per Br queries; "keys": one per Bc keys). operands, scalars: its parameters
-    before and after the geometry table, by name (launch.OPERANDS; launch.scalar_values)."""
+    variant: BlockConfig.variant of its configurations. title: how sentences name it. template: the kernel's C++
+    name; source: its file in cuflash/kernels; shared_struct: the C struct its shared_memory_bytes mirrors. kind:
+    what it computes ("forward"; "dq" or "dkdv", the two halves of the backward). tiles_along: the axis its blocks
+    tile ("queries": one block per Br queries; "keys": one per Bc keys). stages: the pipeline stages it takes, in
+    order of preference. register_target: accumulator words a chosen configuration keeps at most; register_limit:
+    past it, refused (register_bounds: where they depend on the dtype or precision); register_advice: what to
+    change when over the limit. min_resident_warps: the heuristic takes only configurations that keep at least this
+    many warps on an SM (forced ones run whatever it is): fewer leave a tensor core waiting on memory, and the next
+    family runs such shapes instead."""
 
-    variant: str
-    title: str
-    template: str
-    source: str
-    shared_struct: str
-    eligibility: Callable[[Shape, DeviceLimits], Reasons]
-    config_reasons: Callable[[Shape, BlockConfig], Reasons]
-    buckets: Callable[[Shape, BlockConfig], Tuple[int, int]]
-    shared_memory_bytes: Callable[[Shape, BlockConfig], int]
-    accumulator_words: Callable[[Shape, BlockConfig], int]
-    registers_estimate: Callable[[Shape, BlockConfig], int]
-    template_args: Callable[[Shape, BlockConfig, bool], Sequence[object]]
-    column_width: Callable[[Shape, BlockConfig], int]
-    candidates: Callable[[Shape], Sequence[Sequence[BlockConfig]]]
-    register_target: int
-    register_limit: int
-    register_advice: str
-    stages: Tuple[int, ...] = field(default=(1,))
-    register_bounds_of: Optional[Callable[[Shape], Tuple[int, int]]] = None
-    min_resident_warps: int = 0
+    variant: str = ""
+    title: str = ""
+    template: str = ""
+    source: str = ""
+    shared_struct: str = ""
     kind: str = "forward"
     tiles_along: str = "queries"
-    operands: Tuple[str, ...] = FORWARD_OPERANDS
-    scalars: Tuple[str, ...] = FORWARD_SCALARS
+    stages: Tuple[int, ...] = (1,)
+    register_target: int = 0
+    register_limit: int = 0
+    register_advice: str = ""
+    min_resident_warps: int = 0
 
     def __repr__(self):
         return f"<the {self.title} kernel family {self.variant!r}{'' if self.kind == 'forward' else ' ' + self.kind}>"
 
+    # ---- what each kernel describes ---------------------------------------------------------------------------
+
+    def eligibility(self, shape: Shape, device: DeviceLimits) -> Reasons:
+        """Why it cannot serve this dtype, these head dims or this device at all (empty: it can)."""
+        raise NotImplementedError
+
+    def config_reasons(self, shape: Shape, config: BlockConfig) -> Reasons:
+        """Why a configuration is malformed for it, whatever the device."""
+        raise NotImplementedError
+
+    def buckets(self, shape: Shape, config: BlockConfig) -> Tuple[int, int]:
+        """(D, E) of the instantiation serving shape with config."""
+        raise NotImplementedError
+
+    def shared_memory_bytes(self, shape: Shape, config: BlockConfig) -> int:
+        """Dynamic shared memory of one block: the kernel's shared_struct, byte for byte."""
+        raise NotImplementedError
+
+    def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
+        """32-bit registers a thread keeps for its accumulators (what its register bounds limit)."""
+        raise NotImplementedError
+
+    def registers_estimate(self, shape: Shape, config: BlockConfig) -> int:
+        """A rough registers-per-thread figure for occupancy (the compile report has the compiler's)."""
+        raise NotImplementedError
+
+    def template_args(self, shape: Shape, config: BlockConfig, split: bool) -> Sequence[object]:
+        """The name expression's template arguments (split: the instantiation writing split keys' partials)."""
+        raise NotImplementedError
+
+    def candidates(self, shape: Shape) -> Sequence[Sequence[BlockConfig]]:
+        """Lists of configurations in preference order, tried list by list."""
+        raise NotImplementedError
+
+    def column_width(self, shape: Shape, config: BlockConfig) -> int:
+        """The widest e one launch covers (a wider e is split into column blocks)."""
+        return max(1, shape.e)
+
     def register_bounds(self, shape: Shape) -> Tuple[int, int]:
         """(target, limit) of the accumulator words a configuration for shape keeps."""
-        if self.register_bounds_of is not None:
-            return self.register_bounds_of(shape)
         return self.register_target, self.register_limit
+
+    def limits(self) -> Dict[str, int]:
+        """Limits this description shares with its kernel: a C++ constant expression (compiled after the kernel's
+        source) and its value here. tests/test_layout.py holds each pair together by a static_assert."""
+        return {}
+
+    # ---- what follows from the description ----------------------------------------------------------------
 
     def tiles(self, shape: Shape, config: BlockConfig) -> int:
         """Blocks along the grid's x axis (per key split): one per query tile, or per key tile (0: unknown)."""
@@ -270,3 +290,25 @@ class Family:
                 if self.runs(shape, config, device):
                     return config
         return None
+
+
+class BackwardFamily(Family):
+    """What the backward's families share: two kernels each (kind "dq": the block's own rows are Br queries and it
+    sweeps key tiles of Bc; kind "dkdv": its own rows are Bc keys and it sweeps query tiles of Br), their template
+    arguments <T, Br, Bc, D, E, Warps[, Stages]>."""
+
+    def __init__(self, kind: str):
+        assert kind in ("dq", "dkdv"), kind
+        self.kind = kind
+        self.keys_own = kind == "dkdv"
+        self.tiles_along = "keys" if self.keys_own else "queries"
+        self.own_name, self.swept_name = ("Bc", "Br") if self.keys_own else ("Br", "Bc")
+
+    def own_and_swept(self, config: BlockConfig) -> Tuple[int, int]:
+        """(the block's own rows, the swept tile's) of config."""
+        return (config.Bc, config.Br) if self.keys_own else (config.Br, config.Bc)
+
+    def template_args(self, shape: Shape, config: BlockConfig, split: bool) -> list:
+        D, E = self.buckets(shape, config)
+        args = [C_TYPES[shape.dtype.name], config.Br, config.Bc, D, E, config.warps]
+        return args + ([config.stages] if config.stages != 1 else [])

@@ -1,31 +1,33 @@
-"""The planner: one heuristic walks the kernel families of a kind (the forward: tensorcore.FORWARD, then
-cudacore.FORWARD; each half of the backward, "dq" and "dkdv": tensorcore's, then cudacore's) and returns a Plan,
-everything a launch needs (kernel, tiles, name expression, block, shared memory, key splits, column blocks), for
-a problem's Shape on a device, present or not. The launch code executes a plan and never plans.
+"""The planner: one heuristic walks the kernel families of a kind (the forward: the tensor-core kernel's, then the
+CUDA-core kernel's; each half of the backward, "dq" and "dkdv", the same way) and returns a Plan, everything a
+launch needs (kernel, tiles, name expression, block, shared memory, key splits, column blocks), for a problem's
+Shape on a device, present or not. Plans are kept per (shape, device, block, kind): a loop of calls plans once.
+The launch code executes a plan and never plans.
 
-Everything here is plain Python. Each family's shared-memory model mirrors its kernel's struct byte for byte
-(tests/test_compile.py and tests/test_cubin.py hold them together through the compiler).
+Everything here is plain Python. Each family is described beside its kernel (cuflash/kernels/*.py); its
+shared-memory model mirrors the kernel's struct byte for byte (tests/test_compile.py and tests/test_cubin.py hold
+them together through the compiler).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
 
-from . import cudacore, tensorcore
 from .devices import KNOWN, DeviceLimits, fmt_bytes
 from .family import BlockConfig, Family, Shape
+from .kernels import backward, backward_mma, forward, forward_mma
 
 __all__ = ["BACKWARD_KINDS", "FAMILIES", "FAMILIES_OF", "KNOWN", "BlockConfig", "DeviceLimits", "Family", "Plan",
            "Shape", "accumulator_words", "backward_plans", "block_pair", "choose", "family_of", "key_splits",
-           "not_supported_reasons", "occupancy", "plan", "resolve", "shared_memory_bytes", "split_keys"]
+           "not_supported_reasons", "occupancy", "plan", "plan_of", "resolve", "shared_memory_bytes", "split_keys"]
 
-FAMILIES = (tensorcore.FORWARD, cudacore.FORWARD)  # preference order: the first whose candidates run is chosen
+FAMILIES = (forward_mma.FORWARD, forward.FORWARD)  # preference order: the first whose candidates run is chosen
 # Every kind's families, in preference order. The backward is two kernels, each planned as a kind of its own.
-FAMILIES_OF = {"forward": FAMILIES, "dq": (tensorcore.BACKWARD_DQ, cudacore.BACKWARD_DQ),
-               "dkdv": (tensorcore.BACKWARD_DKDV, cudacore.BACKWARD_DKDV)}
+FAMILIES_OF = {"forward": FAMILIES, "dq": (backward_mma.DQ, backward.DQ), "dkdv": (backward_mma.DKDV, backward.DKDV)}
 BACKWARD_KINDS = ("dkdv", "dq")
 DECODE_ROWS = 16  # queries per batch item up to which a few short query tiles and split keys serve (decoding)
 SPLIT_MIN_KEYS = 512  # keys a split sweeps at least: fewer, and merging the splits costs more than it gains
@@ -86,11 +88,11 @@ def _decode_fit(shape: Shape, device: DeviceLimits) -> Optional[BlockConfig]:
     CUDA-core kernel with 8- or 16-row query tiles and split keys, whatever the dtype. Such a problem is bound by
     reading K and V, which split keys spread over every SM; the tensor-core kernel's tiles of 64 to 128 rows would
     mostly compute rows that do not exist."""
-    family = cudacore.FORWARD
+    family = forward.FORWARD
     if shape.n is None or not 1 <= shape.n <= DECODE_ROWS or family.eligibility(shape, device):
         return None
     rows = 8 if shape.n <= 8 else 16
-    for config in cudacore.CANDIDATES:
+    for config in forward.CANDIDATES:
         if config.Br == rows and family.runs(shape, config, device) and \
                 family.accumulator_words(shape, config) <= family.register_target:
             return config if key_splits(shape, config, device) > 1 else None
@@ -101,14 +103,20 @@ def choose(shape: Shape, device: DeviceLimits, kind: str = "forward") -> BlockCo
     """The heuristic's configuration for shape on `device`: the first family of the kind (tensor cores, then CUDA
     cores) with a candidate that runs; ValueError when none fits. With n, m and the batch known, decoding-shaped
     forward problems take the CUDA-core kernel with split keys."""
-    config = _decode_fit(shape, device) if kind == "forward" else None
-    for family in FAMILIES_OF[kind]:
-        config = config or family.first_fit(shape, device)
+    config = first_choice(shape, device, kind)
     if config is None:
         reasons = FAMILIES_OF[kind][-1].eligibility(shape, device)
         raise ValueError("attention: " + ("; ".join(reasons) if reasons else
                          f"no block configuration fits {shape} on {device.name}: it allows "
                          f"{fmt_bytes(device.smem_per_block)} of shared memory per block"))
+    return config
+
+
+def first_choice(shape: Shape, device: DeviceLimits, kind: str) -> Optional[BlockConfig]:
+    """choose()'s configuration, or None where no family of the kind has one."""
+    config = _decode_fit(shape, device) if kind == "forward" else None
+    for family in FAMILIES_OF[kind]:
+        config = config or family.first_fit(shape, device)
     return config
 
 
@@ -192,8 +200,19 @@ def split_keys(m: int, splits: int, Bc: int) -> Tuple[int, int]:
 
 def plan(shape: Shape, device: DeviceLimits, block=None, kind: str = "forward") -> Plan:
     """The plan for shape on device: the configuration resolve(block, ...) gives, and all that follows from it.
-    kind: "forward", or one half of the backward ("dq", "dkdv"; backward_plans plans both)."""
-    config = resolve(block, shape, device, kind)
+    kind: "forward", or one half of the backward ("dq", "dkdv"; backward_plans plans both). Kept per arguments."""
+    if block is not None and not isinstance(block, (str, BlockConfig)):
+        block = block_pair(block)  # (Br, Bc) as ints: a key, whatever sequence held them
+    return _plan(shape, device, block, kind)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(shape: Shape, device: DeviceLimits, block, kind: str) -> Plan:
+    return plan_of(resolve(block, shape, device, kind), shape, device, kind)
+
+
+def plan_of(config: BlockConfig, shape: Shape, device: DeviceLimits, kind: str) -> Plan:
+    """The plan that runs config (resolved: it runs shape on device) for shape."""
     family = family_of(config, kind)
     keys, count = 0, 1
     if shape.m and kind == "forward":
@@ -206,11 +225,21 @@ def plan(shape: Shape, device: DeviceLimits, block=None, kind: str = "forward") 
         column_blocks=family.column_blocks(shape, config))
 
 
+@functools.lru_cache(maxsize=1024)
+def _backward_plans(shape: Shape, device: DeviceLimits) -> Optional[Tuple[Plan, ...]]:
+    plans = []
+    for kind in BACKWARD_KINDS:
+        config = first_choice(shape, device, kind)
+        if config is None:
+            return None
+        plans.append(plan_of(config, shape, device, kind))
+    return tuple(plans)
+
+
 def backward_plans(shape: Shape, device: DeviceLimits, block=None) -> Optional[Tuple[Plan, ...]]:
     """The backward kernels' plans (dK and dV, then dQ), each kind planned by the heuristic (or with `block`
     forced, validated for both); None when block is None and no backward kernel serves the shape here (head dims
     past the kernels', or too little shared memory): the blocked backward serves it."""
-    if block is None and any(all(family.first_fit(shape, device) is None for family in FAMILIES_OF[kind])
-                             for kind in BACKWARD_KINDS):
-        return None
+    if block is None:
+        return _backward_plans(shape, device)
     return tuple(plan(shape, device, block, kind) for kind in BACKWARD_KINDS)

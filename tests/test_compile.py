@@ -4,7 +4,8 @@ equals the Python model (static_asserts the compiler evaluates). Needs CuPy's NV
 
 import pytest
 
-from cuflash import cudacore, nvrtc, tiling
+from cuflash import nvrtc, tiling
+from cuflash.kernels import backward as fma_backward, forward as fma_forward
 from cuflash.family import C_TYPES, Shape
 from cuflash.dtypes import FLOATS
 
@@ -30,17 +31,17 @@ def test_shared_memory_layout_equals_the_model():
             for config in (tiling.BlockConfig(64, 64), tiling.BlockConfig(16, 48, 8), tiling.BlockConfig(4, 16, 2),
                            tiling.BlockConfig(32, 16, 2, stages=2)):
                 w = Shape(dtype, d, e)
-                if d > cudacore.MAX_BUCKET[dtype.name]:
+                if d > fma_forward.MAX_BUCKET[dtype.name]:
                     continue
                 ctype = C_TYPES[dtype.name]
-                args = f"{ctype}, {config.Br}, {config.Bc}, {cudacore.bucket(d)}, {cudacore.bucket(e)}, {config.stages}"
+                args = f"{ctype}, {config.Br}, {config.Bc}, {fma_forward.bucket(d)}, {fma_forward.bucket(e)}, {config.stages}"
                 expected[args] = tiling.shared_memory_bytes(w, config)
-    nvrtc.check_shared_layout(cudacore.FORWARD, expected)
+    nvrtc.check_shared_layout(fma_forward.FORWARD, expected)
 
 
 def test_backward_shared_memory_layout_equals_the_model():
     """Both backward kernels' layouts (BackwardShared, keys or queries as the block's own rows)."""
-    for family in (cudacore.BACKWARD_DQ, cudacore.BACKWARD_DKDV):
+    for family in (fma_backward.DQ, fma_backward.DKDV):
         expected = {}
         for dtype in FLOATS:
             for d, e in ((1, 1), (59, 3), (64, 64), (111, 256)):

@@ -22,8 +22,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash import DeviceLimits, kernels, tensorcore, tiling
-from cuflash.family import Shape as Workload
+from cuflash import DeviceLimits, kernels, tiling
+from cuflash.kernels import backward_mma, forward_mma
+from cuflash.family import Shape
 
 F16, BF16 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)
 F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
@@ -69,12 +70,12 @@ def chosen(arch):
     float16, a few for bfloat16 (the same code but for the mma's type), float32 in three TF32 passes and in one,
     float64, and two with split keys (float partial results written from the fragments)."""
     device = GPUS[arch]
-    pairs = [Workload(F16, d, d) for d in HEAD_DIMS] + [Workload(BF16, d, d) for d in (64, 128, 256)] + \
-        [Workload(F32, d, d) for d in (64, 128, 192)] + \
-        [Workload(F32, d, d, precision="tf32") for d in (64, 256)] + [Workload(F64, d, d) for d in (32, 64, 160)]
+    pairs = [Shape(F16, d, d) for d in HEAD_DIMS] + [Shape(BF16, d, d) for d in (64, 128, 256)] + \
+        [Shape(F32, d, d) for d in (64, 128, 192)] + \
+        [Shape(F32, d, d, precision="tf32") for d in (64, 256)] + [Shape(F64, d, d) for d in (32, 64, 160)]
     pairs = [w for w in pairs if tiling.choose(w, device).variant == "mma"]  # A100's float64 at 160: CUDA cores
     return [(w, tiling.choose(w, device), False) for w in pairs] + \
-        [(w, tiling.choose(w, device), True) for w in (Workload(F16, 64, 64), Workload(F16, 128, 128))]
+        [(w, tiling.choose(w, device), True) for w in (Shape(F16, 64, 64), Shape(F16, 128, 128))]
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +104,7 @@ def compile_forward(arch):
     from cuflash import nvrtc
 
     names = sorted({tiling.family_of(c).name_expression(w, c, split) for w, c, split in chosen(arch)})
-    cubin, log, lowered = nvrtc.compile_program(kernels.source(tensorcore.FORWARD.source), names, arch)
+    cubin, log, lowered = nvrtc.compile_program(kernels.source(forward_mma.FORWARD.source), names, arch)
     usage = nvrtc.parse_ptxas(log)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernels.cubin")
@@ -148,7 +149,7 @@ def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch)
         local = sorted(op for op in ops if op in ("LDL", "STL"))
         assert not local, f"{name} on {arch} uses local memory ({local}): spills or run-time indexed registers"
         assert usage.spill_stores == usage.spill_loads == 0 and usage.stack == 0, usage
-        smem = tensorcore.shared_memory_bytes(workload, config)
+        smem = forward_mma.FORWARD.shared_memory_bytes(workload, config)
         assert smem <= GPUS[arch].smem_per_block
         rows.append(f"{arch}  {np.dtype(workload.dtype).name:8} d={workload.d:<3}  {str(config):38} "
                     f"{'split' if split else '':5} {usage.registers:3} registers  {smem / 1024:6.1f} KiB shared")
@@ -157,18 +158,18 @@ def test_sass_uses_tensor_cores_ldmatrix_and_cp_async_without_local_memory(arch)
 
 @pytest.mark.parametrize("arch", ["sm_80"])
 def test_shared_memory_model_matches_the_kernel(arch):
-    """tensorcore.shared_memory_bytes equals MmaShared<...>::bytes (a static_assert per layout)."""
+    """The tensor-core forward's shared_memory_bytes equals MmaShared<...>::bytes (a static_assert per layout)."""
     from cuflash import nvrtc
 
     layouts = {}
     for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16), ("float", F32), ("double", F64)):
         for (d, e) in ((32, 32), (64, 59), (128, 128), (256, 256), (100, 200)):
-            for config in tensorcore.CANDIDATES + (tiling.BlockConfig.mma(64, 64, 4, stages=3),):
-                w = Workload(dtype, d, e)
-                args = (f"{ctype}, {config.Br}, {config.Bc}, {tensorcore.bucket(d)}, {tensorcore.bucket(e)}, "
+            for config in forward_mma.CANDIDATES + (tiling.BlockConfig.mma(64, 64, 4, stages=3),):
+                w = Shape(dtype, d, e)
+                args = (f"{ctype}, {config.Br}, {config.Bc}, {forward_mma.bucket(d)}, {forward_mma.bucket(e)}, "
                         f"{config.warps}, {config.stages}" + (", true" if dtype == F32 else ""))  # 3xTF32's Lo
-                layouts[args] = tensorcore.shared_memory_bytes(w, config)
-    nvrtc.check_shared_layout(tensorcore.FORWARD, layouts, arch)
+                layouts[args] = forward_mma.FORWARD.shared_memory_bytes(w, config)
+    nvrtc.check_shared_layout(forward_mma.FORWARD, layouts, arch)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def test_shared_memory_model_matches_the_kernel(arch):
 def chosen_backward(arch):
     """(workload, plan) of both backward kernels the planner picks per head dim on the arch's GPU."""
     device = GPUS[arch]
-    workloads = [Workload(F16, 64, 64), Workload(F16, 128, 128), Workload(BF16, 64, 64), Workload(F16, 128, 40)]
+    workloads = [Shape(F16, 64, 64), Shape(F16, 128, 128), Shape(BF16, 64, 64), Shape(F16, 128, 40)]
     return [(w, plan) for w in workloads for plan in tiling.backward_plans(w, device)]
 
 
@@ -186,7 +187,7 @@ def compile_backward(arch):
     from cuflash import nvrtc
 
     names = sorted({plan.name for _, plan in chosen_backward(arch)})
-    cubin, log, lowered = nvrtc.compile_program(kernels.source(tensorcore.BACKWARD_DQ.source), names, arch)
+    cubin, log, lowered = nvrtc.compile_program(kernels.source(backward_mma.DQ.source), names, arch)
     usage = nvrtc.parse_ptxas(log)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernels.cubin")
@@ -219,15 +220,15 @@ def test_backward_sass_uses_tensor_cores_without_local_memory(arch):
 def test_backward_shared_memory_model_matches_the_kernel():
     from cuflash import nvrtc
 
-    for family in (tensorcore.BACKWARD_DQ, tensorcore.BACKWARD_DKDV):
+    for family in (backward_mma.DQ, backward_mma.DKDV):
         layouts = {}
         for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16)):
             for d, e in ((32, 32), (64, 59), (128, 100)):
-                for config in family.candidates(Workload(dtype, d, e))[0][:6]:
-                    args = ", ".join(map(str, family.template_args(Workload(dtype, d, e), config, False)[:6]))
+                for config in family.candidates(Shape(dtype, d, e))[0][:6]:
+                    args = ", ".join(map(str, family.template_args(Shape(dtype, d, e), config, False)[:6]))
                     keys_own = "true" if family.kind == "dkdv" else "false"
                     layouts[f"{args}, {keys_own}, {config.stages}"] = \
-                        family.shared_memory_bytes(Workload(dtype, d, e), config)
+                        family.shared_memory_bytes(Shape(dtype, d, e), config)
         nvrtc.check_shared_layout(family, layouts)
 
 

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import cuflash
 import cuflash.simt
-from cuflash import BlockConfig, DeviceLimits, launch, tensorcore, tiling
-from cuflash.family import Shape as Workload
+from cuflash import BlockConfig, DeviceLimits, launch, tiling
+from cuflash.kernels import forward_mma
+from cuflash.family import Shape
 from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate
 from strategies import cases, randn
@@ -175,7 +176,7 @@ def test_nan_and_inf_in_hidden_keys_never_leak(dtype):
     # Q_i read from shared memory each tile (MT * D > 128): P's scratch rows have their own space.
     q2, k2 = randn(rng, (n, 160), dtype, 0.2), randn(rng, (m, 160), dtype, 0.2)
     block = BlockConfig.mma(32, 32, 1)
-    assert not tensorcore.q_in_registers(Workload(dtype, 160, d), block)
+    assert not forward_mma.q_in_registers(Shape(dtype, 160, d), block)
     out = cuflash.attention(q2, k2, v, mask=mask, causal=True, backend="simt", block=block)
     assert_accurate(out, q2, k2, v, mask=mask, causal=True)
 
@@ -187,8 +188,8 @@ def test_other_tiles_in_two_parts(dtype):
     ones take their keys in two parts of 32. Masks, biases, windows, hidden NaN/inf values and last tiles of 20
     keys (the second part empty) and of 50 (the second part short)."""
     block = BlockConfig.mma(32, 64, 1)
-    assert tensorcore.key_parts(Workload(dtype, 64, 128), block) == 2
-    assert tensorcore.key_parts(Workload(dtype, 64, 64), block) == 1
+    assert forward_mma.key_parts(Shape(dtype, 64, 128), block) == 2
+    assert forward_mma.key_parts(Shape(dtype, 64, 64), block) == 1
     rng = np.random.default_rng(14)
     for m in (148, 178):
         q, k, v = randn(rng, (40, 64), dtype, 0.3), randn(rng, (m, 64), dtype, 0.3), randn(rng, (m, 128), dtype)
@@ -234,16 +235,16 @@ def test_grouped_query_attention_and_strided_views():
 @pytest.mark.parametrize("device", [H100, A100, A10])
 @pytest.mark.parametrize("d", [32, 59, 64, 96, 128, 160, 192, 224, 256])
 def test_dispatcher_prefers_tensor_cores(dtype, device, d):
-    config = tiling.choose(Workload(dtype, d, d), device)
+    config = tiling.choose(Shape(dtype, d, d), device)
     assert config.variant == "mma" and config.stages == 2
-    assert not tiling.not_supported_reasons(Workload(dtype, d, d), config, device)
-    assert tensorcore.accumulator_words(Workload(dtype, d, d), config) <= tensorcore.REGISTER_TARGET
+    assert not tiling.not_supported_reasons(Shape(dtype, d, d), config, device)
+    assert forward_mma.FORWARD.accumulator_words(Shape(dtype, d, d), config) <= forward_mma.REGISTER_TARGET
 
 
-@pytest.mark.parametrize("workload, device", [(Workload(np.float32, 64, 64, precision="fma"), H100),
-                                              (Workload(np.float64, 64, 64), A10),
-                                              (Workload(F16, 64, 64), V100),
-                                              (Workload(BF16, 128, 128), DeviceLimits.known("T4"))])
+@pytest.mark.parametrize("workload, device", [(Shape(np.float32, 64, 64, precision="fma"), H100),
+                                              (Shape(np.float64, 64, 64), A10),
+                                              (Shape(F16, 64, 64), V100),
+                                              (Shape(BF16, 128, 128), DeviceLimits.known("T4"))])
 def test_dispatcher_falls_back_to_cuda_cores(workload, device):
     assert tiling.choose(workload, device).variant == "fma"
 
@@ -255,24 +256,24 @@ def test_simt_backend_picks_tensor_cores_for_halves():
     plan = tiling.plan(problem.shape, cuflash.backends.simt.DEVICE)
     (only,) = launch.launches(problem, out, lse, plan)
     assert only.name.startswith("cuflash::fwd_mma<__half, ")
-    assert only.shared_mem == tensorcore.shared_memory_bytes(problem.shape, plan.config)
+    assert only.shared_mem == forward_mma.FORWARD.shared_memory_bytes(problem.shape, plan.config)
     assert tiling.resolve((64, 64), problem.shape, H100) == BlockConfig.mma(64, 64, 4)
     assert tiling.resolve((8, 16), problem.shape, H100).variant == "fma"  # not a tensor-core shape
     assert tiling.resolve("fma", problem.shape, H100).variant == "fma"
 
 
 @pytest.mark.parametrize("workload, device, config, pattern", [
-    (Workload(np.float32, 64, 64, precision="fma"), H100, BlockConfig.mma(64, 64), r"precision='fma' asks for CUDA"),
-    (Workload(np.float64, 64, 64), A10, BlockConfig.mma(64, 64), r"float64 runs on tensor cores \(DMMA\) only"),
-    (Workload(np.int8, 64, 64), H100, BlockConfig.mma(64, 64), r"runs float16, bfloat16, float32 and float64, not int8"),
-    (Workload(F16, 64, 64), V100, BlockConfig.mma(64, 64), r"compute capability 8\.0 or newer.* has 7\.0"),
-    (Workload(F16, 320, 64), H100, BlockConfig.mma(64, 64), r"d=320 is above 256"),
-    (Workload(F16, 256, 256), A100, BlockConfig.mma(128, 128, 8),
+    (Shape(np.float32, 64, 64, precision="fma"), H100, BlockConfig.mma(64, 64), r"precision='fma' asks for CUDA"),
+    (Shape(np.float64, 64, 64), A10, BlockConfig.mma(64, 64), r"float64 runs on tensor cores \(DMMA\) only"),
+    (Shape(np.int8, 64, 64), H100, BlockConfig.mma(64, 64), r"runs float16, bfloat16, float32 and float64, not int8"),
+    (Shape(F16, 64, 64), V100, BlockConfig.mma(64, 64), r"compute capability 8\.0 or newer.* has 7\.0"),
+    (Shape(F16, 320, 64), H100, BlockConfig.mma(64, 64), r"d=320 is above 256"),
+    (Shape(F16, 256, 256), A100, BlockConfig.mma(128, 128, 8),
      r"needs [\d.]+ KiB of shared memory; A100 allows 163 KiB per block.*\(.*mma\) fits"),
-    (Workload(F16, 64, 64), H100, BlockConfig.mma(48, 64), r"Br=48 is not supported.*64 or 128"),
-    (Workload(F16, 64, 64), H100, BlockConfig.mma(64, 40), r"Bc=40 is not supported"),
-    (Workload(F16, 64, 64), H100, BlockConfig(64, 64, 4, 1, "mma"), r"stages=1 is not supported"),
-    (Workload(F16, 256, 256), H100, BlockConfig.mma(128, 128, 4), r"accumulator registers per thread"),
+    (Shape(F16, 64, 64), H100, BlockConfig.mma(48, 64), r"Br=48 is not supported.*64 or 128"),
+    (Shape(F16, 64, 64), H100, BlockConfig.mma(64, 40), r"Bc=40 is not supported"),
+    (Shape(F16, 64, 64), H100, BlockConfig(64, 64, 4, 1, "mma"), r"stages=1 is not supported"),
+    (Shape(F16, 256, 256), H100, BlockConfig.mma(128, 128, 4), r"accumulator registers per thread"),
 ])
 def test_forced_tensor_core_choice_gives_reasons(workload, device, config, pattern):
     reasons = tiling.not_supported_reasons(workload, config, device)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import cuflash
 import cuflash.simt
-from cuflash import BlockConfig, DeviceLimits, launch, tensorcore, tiling
+from cuflash import BlockConfig, DeviceLimits, launch, tiling
+from cuflash.kernels import forward_mma
 from cuflash.family import Shape
 from harness import check_case, problem_and_outputs, run_under_memcheck
 from reference import assert_accurate, attention_reference
@@ -152,7 +153,7 @@ def test_grouped_query_attention_strided_views_and_bias():
 # The planner: which kernel runs each dtype and precision, and why not
 
 
-# The largest head dim each runs on tensor cores (tensorcore.REGISTER_BOUNDS): past it, registers would spill.
+# The largest head dim each runs on tensor cores (forward_mma.REGISTER_BOUNDS): past it, registers would spill.
 TENSOR_CORE_HEAD_DIMS = {(F32, "highest"): 192, (F32, "tf32"): 256, (F64, "highest"): 160}
 
 
@@ -163,19 +164,19 @@ def test_float32_runs_on_tensor_cores_up_to_its_head_dims(device, d, precision):
     shape = Shape(F32, d, d, precision=precision)
     config = tiling.choose(shape, device)
     if d > TENSOR_CORE_HEAD_DIMS[(F32, precision)]:
-        assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
+        assert config.variant == "fma" and forward_mma.FORWARD.first_fit(shape, device) is None
         reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(16, 16, 1), device)
         assert any("accumulator registers" in r for r in reasons), reasons
         return
-    assert (tensorcore.FORWARD.first_fit(shape, device) is not None) == (config.variant == "mma")
+    assert (forward_mma.FORWARD.first_fit(shape, device) is not None) == (config.variant == "mma")
     if config.variant == "fma":  # every tensor-core block that fits leaves fewer than 4 warps on an SM
-        fits = [c for c in tensorcore.CANDIDATES if tensorcore.FORWARD.runs(shape, c, device)]
-        assert all(tensorcore.FORWARD.occupancy(shape, c, device) * c.warps < tensorcore.MIN_RESIDENT_WARPS
+        fits = [c for c in forward_mma.CANDIDATES if forward_mma.FORWARD.runs(shape, c, device)]
+        assert all(forward_mma.FORWARD.occupancy(shape, c, device) * c.warps < forward_mma.MIN_RESIDENT_WARPS
                    for c in fits)
         assert (device, precision) not in ((H100, "highest"), (A100, "highest"), (H100, "tf32")) or d > 128
         return
     assert not tiling.not_supported_reasons(shape, config, device)
-    passes = tensorcore.PASSES[precision]
+    passes = forward_mma.PASSES[precision]
     assert tiling.plan(shape, device).name.endswith(f", false, {passes}>")
 
 
@@ -185,17 +186,17 @@ def test_float64_runs_on_dmma_only_where_it_is_fast(d):
         shape = Shape(F64, d, d)
         config = tiling.choose(shape, device)
         if d > TENSOR_CORE_HEAD_DIMS[(F64, "highest")]:  # O_i's float64 accumulators take e registers
-            assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
+            assert config.variant == "fma" and forward_mma.FORWARD.first_fit(shape, device) is None
             reasons = tiling.not_supported_reasons(shape, BlockConfig.mma(64, 16), device)
             assert any("accumulator registers" in r for r in reasons), reasons
             continue
         if (device, d) == (A100, 160):  # only one warp's block fits its shared memory: fewer than 4 on an SM
-            assert config.variant == "fma" and tensorcore.FORWARD.first_fit(shape, device) is None
+            assert config.variant == "fma" and forward_mma.FORWARD.first_fit(shape, device) is None
             assert not tiling.not_supported_reasons(shape, BlockConfig.mma(16, 16, 1), device)
-            assert tensorcore.FORWARD.occupancy(shape, BlockConfig.mma(16, 16, 1), device) < 4
+            assert forward_mma.FORWARD.occupancy(shape, BlockConfig.mma(16, 16, 1), device) < 4
             continue
         assert config.variant == "mma"
-        assert tensorcore.accumulator_words(shape, config) <= tensorcore.register_bounds(shape)[1]
+        assert forward_mma.FORWARD.accumulator_words(shape, config) <= forward_mma.FORWARD.register_bounds(shape)[1]
     for device in (A10, L4, V100):
         assert tiling.choose(Shape(F64, d, d), device).variant == "fma"
     reasons = tiling.not_supported_reasons(Shape(F64, d, d), BlockConfig.mma(64, 16), A10)
@@ -221,7 +222,7 @@ def test_launch_names_and_shared_memory():
         plan = tiling.plan(problem.shape, cuflash.backends.simt.DEVICE)
         (only,) = launch.launches(problem, out, lse, plan)
         assert only.name.startswith("cuflash::fwd_mma<" + head)
-        assert only.shared_mem == tensorcore.shared_memory_bytes(problem.shape, plan.config)
+        assert only.shared_mem == forward_mma.FORWARD.shared_memory_bytes(problem.shape, plan.config)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""The tensor-core backward kernels (backward_mma.cuh, BlockConfig variant "mma") described for the planner:
+bwd_mma_dq and bwd_mma_dkdv, the tensor-core twins of the CUDA-core backward (backward.py), planned apart. Their
+gradients stay whole in float fragments, so head dims are at most MAX_HEAD_DIM (the CUDA-core backward takes
+larger ones). Each double-buffers the tiles it sweeps (dQ's K_j and V_j, dK dV's Q_i, dO_i and row terms) where
+they fit: stages=2, else 1.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from ..family import BackwardFamily, BlockConfig, Shape, align16
+from .forward_mma import (ROW_PAD_BYTES, ROWS_PER_TILE, SWEEP_BYTES, bucket, dtype_and_device_reasons,
+                          own_rows_reasons, swept_reasons)
+
+DTYPES = ("float16", "bfloat16")
+MAX_HEAD_DIM = 128
+MAX_SWEPT = 128  # a swept tile's hidden-pair bits fit one 32-bit word per quad lane
+ITEM = 2  # bytes per element of the 16-bit types
+REGISTER_TARGET = {"dq": 144, "dkdv": 120}  # dK/dV's kernel keeps two gradients: it spills past 120
+REGISTER_LIMIT = 160
+STAGES = (2, 1)  # the swept tiles double-buffered where they fit, else one stage
+OWN_FIRST = ((64, 4), (128, 8), (64, 8), (32, 2), (16, 1))  # (own rows, warps): one m16 tile per warp
+SWEPT_SIZES = (64, 32, 16)
+
+
+class TensorCoreBackward(BackwardFamily):
+    variant = "mma"
+    source, shared_struct = "backward_mma.cuh", "MmaBackwardShared"
+    stages = STAGES
+    register_limit = REGISTER_LIMIT
+    register_advice = "use a smaller swept tile or more warps"
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.title = f"tensor-core backward {kind}"
+        self.template = f"cuflash::bwd_mma_{kind}"
+        self.register_target = REGISTER_TARGET[kind]
+
+    def eligibility(self, shape: Shape, device) -> List[str]:
+        reasons = dtype_and_device_reasons(shape, device, "tensor-core backward", DTYPES)
+        if max(shape.d, shape.e) > MAX_HEAD_DIM:
+            reasons.append(f"head dims d={shape.d}, e={shape.e}: the tensor-core backward holds a block's "
+                           f"gradients whole and takes d, e <= {MAX_HEAD_DIM}; the CUDA-core backward "
+                           f"(variant 'fma') takes larger ones")
+        return reasons
+
+    def buckets(self, shape: Shape, config: BlockConfig) -> Tuple[int, int]:
+        return bucket(shape.d), bucket(shape.e)
+
+    def shared_memory_bytes(self, shape: Shape, config: BlockConfig) -> int:
+        """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk), two float row terms per query (the swept tiles
+        and those terms once per stage), each warp's scratch: 16 rows of the swept width + 1 floats and 16 x 4
+        words, and last the block's Sweep. Mirrors MmaBackwardShared."""
+        D, E = self.buckets(shape, config)
+        swept = self.own_and_swept(config)[1]
+        q_stages, k_stages = (config.stages, 1) if self.keys_own else (1, config.stages)
+        tiles = sum(stages * align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM))
+                    for stages, rows in ((q_stages, config.Br), (k_stages, config.Bc)) for width in (D, E))
+        scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
+        return tiles + q_stages * align16(4 * 2 * config.Br) + scratch + SWEEP_BYTES
+
+    def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
+        """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients."""
+        own, swept = self.own_and_swept(config)
+        mt = max(1, own // (ROWS_PER_TILE * config.warps))
+        D, E = self.buckets(shape, config)
+        return mt * (swept + (D + (E if self.keys_own else 0)) // 2)
+
+    def registers_estimate(self, shape: Shape, config: BlockConfig) -> int:
+        return min(255, (64 + self.accumulator_words(shape, config) + 7) // 8 * 8)
+
+    def config_reasons(self, shape: Shape, config: BlockConfig) -> List[str]:
+        own, swept = self.own_and_swept(config)
+        kernel = f"tensor-core backward's {self.kind} kernel"
+        reasons = []
+        if config.head_tile is not None:
+            reasons.append(f"head_tile={config.head_tile} is a setting of the CUDA-core forward; the tensor-core "
+                           f"backward takes head dims up to {MAX_HEAD_DIM} whole")
+        return reasons + own_rows_reasons(self.own_name, own, config, kernel) + \
+            swept_reasons(self.swept_name, swept, kernel, MAX_SWEPT)
+
+    def candidates(self, shape: Shape):
+        configs = []
+        for swept in SWEPT_SIZES:
+            for own, warps in OWN_FIRST:
+                br, bc = (swept, own) if self.keys_own else (own, swept)
+                configs += [BlockConfig(br, bc, warps, stages, "mma") for stages in STAGES]
+        return [configs]
+
+    def limits(self) -> Dict[str, int]:
+        return {"cuflash::mma_backward::kMaxSwept": MAX_SWEPT, "cuflash::mma_backward::kMaxHeadDim": MAX_HEAD_DIM,
+                "(int)cuflash::align16(sizeof(cuflash::Sweep))": SWEEP_BYTES}
+
+
+DQ = TensorCoreBackward("dq")
+DKDV = TensorCoreBackward("dkdv")
