@@ -1,8 +1,8 @@
 """python -m cuflash: a short demonstration on whatever this machine has.
 
 It runs one attention problem on the best backend available (CuPy on a CUDA device, else NumPy), times it,
-checks a sample of rows against naive materialized attention in float64, and says how much memory the naive
-path's score matrix would have needed.
+checks a sample of rows against naive materialized attention in float64 (cuflash.reference), and says how much
+memory the naive path's score matrix would have needed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 
 from . import attention, backends, cost
 from .dtypes import FLOATS
-from .problem import default_scale
+from .reference import attention_reference
 
 
 def cuda_device_name():
@@ -97,21 +97,6 @@ def timed(fn, xp, repeats=3):
     return float(np.median(times))
 
 
-def naive_rows(q, k, v, rows, causal):
-    """Materialized float64 attention for the given query rows (bottom-right causal alignment); a row that sees
-    no key gives 0, as cuflash documents."""
-    n, m, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    s = q[..., rows, :].astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) * default_scale(d)
-    visible = np.ones((rows.size, m), dtype=bool)
-    if causal:
-        visible = np.arange(m)[None, :] <= rows[:, None] + (m - n)
-    s = np.where(visible, s, -np.inf)
-    top = s.max(axis=-1, keepdims=True, initial=-np.inf)
-    p = np.where(visible, np.exp(s - np.where(np.isfinite(top), top, 0)), 0)
-    total = p.sum(axis=-1, keepdims=True)
-    return (p / np.where(total == 0, 1, total)) @ v.astype(np.float64)
-
-
 def main(argv=None):
     args = parse_args(argv)
     xp = np
@@ -135,7 +120,7 @@ def main(argv=None):
 
     out = out if xp is np else xp.asnumpy(out)
     rows = np.unique(np.linspace(0, args.n - 1, min(args.n, args.check_rows)).astype(int))
-    expected = naive_rows(q, k, v, rows, args.causal)
+    expected, _ = attention_reference(q, k, v, causal=args.causal, rows=rows)
     err = float(np.abs(out[..., rows, :].astype(np.float64) - expected).max(initial=0.0))
     print(f"check: {rows.size} rows per head against naive float64 attention, max abs error {err:.2e}")
 
