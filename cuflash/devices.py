@@ -57,18 +57,23 @@ class DeviceLimits:
     @classmethod
     def of(cls, device=None) -> "DeviceLimits":
         """The limits of a CUDA device (a cupy.cuda.Device, an id, or None for the current one), read through CuPy;
-        BackendUnavailableError when CuPy is missing (DeviceLimits.known plans for a GPU without one)."""
+        BackendUnavailableError when CuPy is missing or finds no usable device (no driver, no GPU):
+        DeviceLimits.known plans for a GPU without one."""
         try:
             import cupy
         except ImportError as exc:
             raise BackendUnavailableError(
                 f"DeviceLimits.of: reading a GPU's limits needs CuPy ({exc}); pip install cupy-cuda12x, or plan "
                 f"for a GPU you do not have with DeviceLimits.known(name)") from None
-
-        if device is None:
-            device = cupy.cuda.Device()
-        index = device.id if hasattr(device, "id") else int(device)
-        return _device_limits(index)
+        try:
+            if device is None:
+                device = cupy.cuda.Device()
+            index = device.id if hasattr(device, "id") else int(device)
+            return _device_limits(index)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            raise BackendUnavailableError(
+                f"DeviceLimits.of: CUDA is not usable here ({exc}); plan for a GPU you do not have with "
+                f"DeviceLimits.known(name)") from None
 
 
 def _device_limits(index: int) -> DeviceLimits:

@@ -9,8 +9,9 @@ backward are torch.library custom operators (cuflash::attention_forward, cuflash
 tensor rules, so torch.compile traces them as single opaque nodes. Only the front door is called: this module
 translates tensors and nothing else.
 
-The backward is cuflash.attention_backward: the numpy backend's blocked algorithm for CPU tensors, the same code on
-CuPy's arrays for CUDA tensors until the CUDA backward kernels exist. lse, when returned, is not differentiable.
+The backward is cuflash.attention_backward: the numpy backend's blocked algorithm for CPU tensors, the CUDA
+backward kernels (the blocked algorithm on CuPy's arrays past their head dims) for CUDA tensors. lse, when
+returned, is not differentiable.
 """
 
 from __future__ import annotations

@@ -27,8 +27,12 @@ template <class T> inline T atomicAdd(T* p, T v) {
 }
 template <class T> inline T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T atomicExch(T* p, T v) { return cuflash_simt::atomic_update(p, [v](T) { return v; }); }
-template <class T> inline T atomicMin(T* p, T v) { return cuflash_simt::atomic_update(p, [v](T o) { return v < o ? v : o; }); }
-template <class T> inline T atomicMax(T* p, T v) { return cuflash_simt::atomic_update(p, [v](T o) { return v > o ? v : o; }); }
+template <class T> inline T atomicMin(T* p, T v) {
+  return cuflash_simt::atomic_update(p, [v](T o) { return v < o ? v : o; });
+}
+template <class T> inline T atomicMax(T* p, T v) {
+  return cuflash_simt::atomic_update(p, [v](T o) { return v > o ? v : o; });
+}
 template <class T> inline T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 template <class T> inline T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); }

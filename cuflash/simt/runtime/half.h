@@ -162,7 +162,9 @@ inline __nv_bfloat16 __float2bfloat16_rz(float f) {
 }
 inline __nv_bfloat16 __double2bfloat16(double d) { return __nv_bfloat16(d); }
 inline float __bfloat162float(__nv_bfloat16 h) { return cuflash_simt::bf16_to_f32(h.__x); }
-inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162(__nv_bfloat16(a), __nv_bfloat16(b)); }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return __nv_bfloat162(__nv_bfloat16(a), __nv_bfloat16(b));
+}
 inline __nv_bfloat162 __float22bfloat162_rn(float2 v) { return __nv_bfloat162(__nv_bfloat16(v.x), __nv_bfloat16(v.y)); }
 inline __nv_bfloat162 __float2bfloat162_rn(float a) { return __nv_bfloat162(__nv_bfloat16(a), __nv_bfloat16(a)); }
 inline float2 __bfloat1622float2(__nv_bfloat162 h) { return make_float2(__bfloat162float(h.x), __bfloat162float(h.y)); }
@@ -187,7 +189,9 @@ inline __nv_bfloat16 __short_as_bfloat16(short b) { return cuflash_simt::mk_bf16
   inline H __hmul(H a, H b) { return cuflash_simt::rnd<H>(cuflash_simt::as_double(a) * cuflash_simt::as_double(b)); } \
   inline H __hdiv(H a, H b) { return cuflash_simt::rnd<H>(cuflash_simt::as_double(a) / cuflash_simt::as_double(b)); } \
   inline H __hfma(H a, H b, H c) {                                                                     \
-    return cuflash_simt::rnd<H>(std::fma(cuflash_simt::as_double(a), cuflash_simt::as_double(b), cuflash_simt::as_double(c))); } \
+    return cuflash_simt::rnd<H>(                                                                       \
+        std::fma(cuflash_simt::as_double(a), cuflash_simt::as_double(b), cuflash_simt::as_double(c)));  \
+  }                                                                                                    \
   inline H __hneg(H a) { H r = a; r.__x ^= 0x8000; return r; }                                         \
   inline H __habs(H a) { H r = a; r.__x &= 0x7fff; return r; }                                         \
   inline bool __hisnan(H a) { return (a.__x & 0x7fffu) > cuflash_simt_inf_bits(a); }                \
@@ -199,7 +203,9 @@ inline __nv_bfloat16 __short_as_bfloat16(short b) { return cuflash_simt::mk_bf16
     if (__hisnan(a)) return __hisnan(b) ? cuflash_simt::rnd<H>(NAN) : b;                               \
     return __hisnan(b) || cuflash_simt::as_double(a) <= cuflash_simt::as_double(b) ? a : b; }          \
   inline bool __heq(H a, H b) { return cuflash_simt::as_double(a) == cuflash_simt::as_double(b); }    \
-  inline bool __hne(H a, H b) { return cuflash_simt::as_double(a) != cuflash_simt::as_double(b) && !__hisnan(a) && !__hisnan(b); } \
+  inline bool __hne(H a, H b) {                                                                        \
+    return cuflash_simt::as_double(a) != cuflash_simt::as_double(b) && !__hisnan(a) && !__hisnan(b);   \
+  }                                                                                                    \
   inline bool __hlt(H a, H b) { return cuflash_simt::as_double(a) < cuflash_simt::as_double(b); }     \
   inline bool __hle(H a, H b) { return cuflash_simt::as_double(a) <= cuflash_simt::as_double(b); }    \
   inline bool __hgt(H a, H b) { return cuflash_simt::as_double(a) > cuflash_simt::as_double(b); }     \
