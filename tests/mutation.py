@@ -2,9 +2,11 @@
 
 Each mutant is one small semantic bug (a visibility off-by-one, a dropped rescale, an unmasked tail, lse in the
 wrong base, an unshifted merge, a multiply-by-zero where a selection belongs, a wrong fragment index in a PTX
-twin, ...). The script applies one at a time to a temporary copy of the project, runs the tests that should catch
-it (stopping at the first failure), and prints a table: mutant, caught or not, by which test, seconds. Every
-mutant in the list must be caught; a mutant that survives is a hole in the suite.
+twin, ...), written as the code it breaks: found anywhere in the package's source (or after the definition it
+lives in), whitespace aside, so that moving code between files or re-wrapping it keeps the mutant applying. The
+script applies one at a time to a temporary copy of the project, runs the tests that should catch it (stopping at
+the first failure), and prints a table: mutant, caught or not, by which test, seconds. Every mutant in the list
+must be caught; a mutant that survives is a hole in the suite.
 
     python tests/mutation.py              # every mutant, two at a time
     python tests/mutation.py --list       # the list, nothing run
@@ -34,17 +36,32 @@ from typing import Tuple
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Where mutants look: the package's source (Python, the kernels' CUDA, the emulator's runtime headers).
+SOURCES = ("cuflash/**/*.py", "cuflash/**/*.cuh", "cuflash/**/*.h")
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One change: the first occurrence of `old` after `within` (a text that occurs once in the project: the
+    definition the bug lives in; "" for the whole project, where `old` must then occur once) becomes `new`. Both
+    are matched with any run of whitespace standing for any other, so that re-wrapping a line or moving a
+    definition to another file keeps the mutant applying."""
+
+    old: str
+    new: str
+    within: str = ""
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    file: str  # relative to the project root
-    edits: Tuple[Tuple[str, str], ...]  # (text that occurs exactly once, its replacement)
+    edits: Tuple[Edit, ...]
     tests: Tuple[str, ...]  # pytest node ids, the likeliest catcher first
     why: str
 
 
-def m(name, file, edits, tests, why):
-    return Mutant(name, file, tuple(edits), tuple(tests), why)
+def m(name, edits, tests, why):
+    return Mutant(name, tuple(e if isinstance(e, Edit) else Edit(*e) for e in edits), tuple(tests), why)
 
 
 NUMPY = "tests/test_attention_numpy.py::test_matches_reference"
@@ -63,298 +80,236 @@ BWD_SIMT = f"{BWD_SIMT_FILE}::test_matches_reference"
 
 MUTANTS = (
     # ---- the front door and the Problem
-    m("window-right-off-by-one", "cuflash/problem.py",
-      [("(j >= i - left) & (j <= i + right)", "(j >= i - left) & (j < i + right)")], [NUMPY],
+    m("window-right-off-by-one", [("(j >= i - left) & (j <= i + right)", "(j >= i - left) & (j < i + right)")], [NUMPY],
       "the numpy backend's per-tile visibility hides the diagonal key"),
-    m("key-range-short", "cuflash/problem.py",
-      [("i1 - 1 + (m - n) + right + 1)", "i1 - 1 + (m - n) + right)")], [NUMPY],
+    m("key-range-short", [("i1 - 1 + (m - n) + right + 1)", "i1 - 1 + (m - n) + right)")], [NUMPY],
       "the last visible key of a causal row tile is never swept"),
-    m("tile-top-left", "cuflash/problem.py",
-      [("i = xp.arange(i0, i1)[:, None] + (m - n)", "i = xp.arange(i0, i1)[:, None]")],
+    m("tile-top-left", [("i = xp.arange(i0, i1)[:, None] + (m - n)", "i = xp.arange(i0, i1)[:, None]")],
       [NUMPY, f"{CASES}::test_causal_is_bottom_right_aligned"],
       "a tile's visibility aligned top-left instead of bottom-right"),
-    m("default-scale-1/d", "cuflash/problem.py",
-      [("return 1.0 / math.sqrt(d) if d > 0 else 1.0", "return 1.0 / d if d > 0 else 1.0")],
+    m("default-scale-1/d", [("return 1.0 / math.sqrt(d) if d > 0 else 1.0", "return 1.0 / d if d > 0 else 1.0")],
       [f"{CASES}::test_result_is_exact_softmax_attention", NUMPY], "softmax temperature wrong by default"),
-    m("causal-ignores-window", "cuflash/problem.py",
-      [("right = 0 if right is None else min(right, 0)", "right = 0")],
+    m("causal-ignores-window", [("right = 0 if right is None else min(right, 0)", "right = 0", "def of(cls, window=None, causal: bool = False)")],
       [f"{CASES}::test_window_and_causal_intersect", NUMPY],
       "causal=True discards a window's tighter right side"),
     # ---- the NumPy backend
-    m("numpy-no-rescale", "cuflash/backends/numpy.py",
-      [("o_new = alpha[..., None] * o_i + ", "o_new = o_i + ")], [NUMPY],
+    m("numpy-no-rescale", [("o_new = alpha[..., None] * o_i + ", "o_new = o_i + ")], [NUMPY],
       "the running output is not rescaled when the running max grows (needs a second key tile)"),
-    m("numpy-no-sum-rescale", "cuflash/backends/numpy.py",
-      [("l_new = alpha * l_i + ", "l_new = l_i + ")], [NUMPY], "the running sum is not rescaled"),
-    m("numpy-lse-log2", "cuflash/backends/numpy.py",
-      [("m_i + np.log(l_i)", "m_i + np.log2(l_i)")], [NUMPY], "lse in base 2"),
-    m("numpy-multiply-by-zero", "cuflash/backends/numpy.py",
-      [("    if bool(finite.all()):\n", "    if True:\n")], [NUMPY],
+    m("numpy-no-sum-rescale", [("l_new = alpha * l_i + ", "l_new = l_i + ")], [NUMPY], "the running sum is not rescaled"),
+    m("numpy-lse-log2", [("m_i + np.log(l_i)", "m_i + np.log2(l_i)")], [NUMPY], "lse in base 2"),
+    m("numpy-multiply-by-zero", [("    if bool(finite.all()):\n", "    if True:\n")], [NUMPY],
       "hidden values weighted by 0 instead of removed: 0 * inf = NaN leaks"),
-    m("numpy-bias-hides-nothing", "cuflash/backends/numpy.py",
-      [("if problem.bias_hides:", "if False:")],
+    m("numpy-bias-hides-nothing", [("if problem.bias_hides:", "if False:")],
       [NUMPY, f"{INPUTS}::test_a_minus_inf_bias_hides_its_key_like_the_mask"],
       "a -inf bias weights its key by 0 instead of hiding it: NaN in that key leaks"),
-    m("window-sides-unclamped", "cuflash/problem.py",
-      [("return far if side is None else max(-far, min(far, int(side)))", "return far if side is None else int(side)")],
+    m("window-sides-unclamped", [("return far if side is None else max(-far, min(far, int(side)))", "return far if side is None else int(side)")],
       [f"{INPUTS}::test_window_sides_of_any_size"], "a window side past int64 overflows a backend's arithmetic"),
-    m("numpy-unmasked-tile", "cuflash/backends/numpy.py",
-      [("visible = problem.window_tile(i0, i1, j0, j1)", "visible = None")], [NUMPY],
+    m("numpy-unmasked-tile", [("visible = problem.window_tile(i0, i1, j0, j1)", "visible = None")], [NUMPY],
       "tiles straddling the window edge take every key"),
     # ---- the NumPy backward
-    m("backward-no-delta", "cuflash/backends/numpy.py",
-      [("        dp -= delta\n", "")], [f"{BACKWARD}::test_matches_reference"],
+    m("backward-no-delta", [("        dp -= delta\n", "")], [f"{BACKWARD}::test_matches_reference"],
       "dS without FlashAttention-2's D_i = rowsum(dO * O): the softmax Jacobian's second term dropped"),
-    m("backward-ds-unselected", "cuflash/backends/numpy.py",
-      [("    return ds_ij if visible is None else xp.where(visible, ds_ij, 0)\n", "    return ds_ij\n")],
+    m("backward-ds-unselected", [("    return ds_ij if visible is None else xp.where(visible, ds_ij, 0)\n", "    return ds_ij\n")],
       [f"{BACKWARD}::test_hidden_keys_get_zero_gradient_and_their_nan_never_leaks"],
       "dS of hidden pairs weighted by P = 0 instead of selected away: a NaN hidden value leaks into dq and dk"),
-    m("backward-dk-unscaled", "cuflash/backends/numpy.py",
-      [("(ds_ij, -1, -2), scaled_q_i, visible_t, xp, q_finite)", "(ds_ij, -1, -2), q_i, visible_t, xp, q_finite)")],
+    m("backward-dk-unscaled", [("(ds_ij, -1, -2), scaled_q_i, visible_t, xp, q_finite)", "(ds_ij, -1, -2), q_i, visible_t, xp, q_finite)")],
       [f"{BACKWARD}::test_matches_reference"],
       "dK without the softmax scale"),
-    m("backward-broadcast-not-summed", "cuflash/api.py",
-      [("    axes = tuple(i for i, (size, full) in enumerate(zip(shape, x.shape)) if size == 1 and full != 1)\n",
+    m("backward-broadcast-not-summed", [("    axes = tuple(i for i, (size, full) in enumerate(zip(shape, x.shape)) if size == 1 and full != 1)\n",
         "    axes = ()\n")], [f"{BACKWARD}::test_broadcast_axes_are_summed_and_shapes_kept"],
       "a gradient of a broadcast operand keeps one group member's share instead of the group's sum"),
     # ---- the merge of split keys
-    m("merge-unshifted", "cuflash/merging.py",
-      [("weights = xp.exp(parts_lse - shift)", "weights = xp.exp(parts_lse)"),
+    m("merge-unshifted", [("weights = xp.exp(parts_lse - shift)", "weights = xp.exp(parts_lse)"),
        ("lse[...] = xp.log(total) + shift", "lse[...] = xp.log(total)")], [FMA_SPLIT, MMA_SPLIT, "tests/test_merge.py"],
       "exp(lse_s) overflows float32 once lse passes 88"),
-    m("merge-unweighted", "cuflash/merging.py",
-      [("0, weights[..., None] * parts_out)", "0, parts_out)")],
+    m("merge-unweighted", [("0, weights[..., None] * parts_out)", "0, parts_out)")],
       [FMA_SPLIT, "tests/test_merge.py"], "splits added without their weights"),
     # ---- cuflash.dask
-    m("dask-window-shifted-wrongly", "cuflash/dask.py",
-      [("left - shift, None if right is None else right + shift",
+    m("dask-window-shifted-wrongly", [("left - shift, None if right is None else right + shift",
         "left + shift, None if right is None else right - shift")],
       ["tests/test_dask.py::test_equals_attention_under_any_chunking"],
       "a chunk pair sees the global window unshifted the wrong way: off-diagonal pairs hide the wrong keys"),
-    m("dask-last-visible-chunk-dropped", "cuflash/dask.py",
-      [("col + width <= first or col >= last:", "col + width <= first or col + width >= last:")],
+    m("dask-last-visible-chunk-dropped", [("col + width <= first or col >= last:", "col + width <= first or col + width >= last:")],
       ["tests/test_dask.py::test_hidden_chunk_pairs_make_no_task",
        "tests/test_dask.py::test_equals_attention_under_any_chunking"],
       "the key chunk holding a query chunk's last visible keys makes no task"),
-    m("dask-broadcast-axis-indexed", "cuflash/dask.py",
-      [("index = tuple(i if x.shape[a] != 1 else 0 for a, i in enumerate(batch_index))",
+    m("dask-broadcast-axis-indexed", [("index = tuple(i if x.shape[a] != 1 else 0 for a, i in enumerate(batch_index))",
         "index = tuple(batch_index)")],
       ["tests/test_dask.py::test_broadcast_head_axis_is_never_copied",
        "tests/test_dask.py::test_equals_attention_under_any_chunking"],
       "a size-1 batch axis indexed by the batch block: a key to a chunk that does not exist"),
-    m("resident-evicts-a-captured-table", "cuflash/launch.py",
-      [("key = next((key for key in _resident if key not in _captured), None)", "key = next(iter(_resident), None)")],
+    m("resident-evicts-a-captured-table", [("key = next((key for key in _resident if key not in _captured), None)", "key = next(iter(_resident), None)")],
       ["tests/test_cupy_shim.py::test_resident_tables_outlive_every_launch_that_may_read_them"],
       "a geometry table a captured CUDA graph reads is freed"),
-    m("resident-evicts-while-queued", "cuflash/launch.py",
-      [("    xp.cuda.Device(key[0]).synchronize()\n", "")],
+    m("resident-evicts-while-queued", [("    xp.cuda.Device(key[0]).synchronize()\n", "")],
       ["tests/test_cupy_shim.py::test_resident_tables_outlive_every_launch_that_may_read_them"],
       "a geometry table is freed while kernels queued on other streams may still read it"),
-    m("geometry-fields-swapped", "cuflash/launch.py",
-      [('("split_out", np.int64), ("split_lse", np.int64)', '("split_lse", np.int64), ("split_out", np.int64)')],
+    m("geometry-fields-swapped", [('("split_out", np.int64), ("split_lse", np.int64)', '("split_lse", np.int64), ("split_out", np.int64)')],
       ["tests/test_layout.py"], "the declared table no longer matches the struct the kernels read"),
-    m("split-drops-a-key", "cuflash/kernels/forward_common.cuh",
-      [("min_ll(keys.end, (split + 1) * g.split_keys)", "min_ll(keys.end, (split + 1) * g.split_keys - 1)")],
+    m("split-drops-a-key",
+      [("min_ll(ops.keys.end, (split + 1) * g.split_keys)", "min_ll(ops.keys.end, (split + 1) * g.split_keys - 1)")],
       [FMA_SPLIT], "the last key of every split is never swept"),
     # ---- the CUDA-core kernel
-    m("window-right-off-by-one-kernels", "cuflash/kernels/forward_common.cuh",
-      [("hi = i + ops.offset + right + 1 - j0;", "hi = i + ops.offset + right - j0;")], [FMA, MMA],
+    m("window-right-off-by-one-kernels", [("hi = i + ops.offset + right + 1 - j0;", "hi = i + ops.offset + right - j0;")], [FMA, MMA],
       "both kernels hide each row's diagonal key (their shared visible_score)"),
-    m("unmasked-tail-kernels", "cuflash/kernels/forward_common.cuh",
-      [("max_ll(min_ll(hi, cols), 0)", "max_ll(min_ll(hi, 128), 0)")], [FMA, MMA],
+    m("unmasked-tail-kernels", [("max_ll(min_ll(hi, cols), 0)", "max_ll(min_ll(hi, 128), 0)")], [FMA, MMA],
       "the zero-filled keys past m count as scores of 0"),
-    m("mask-ignored-kernels", "cuflash/kernels/forward_common.cuh",
-      [("if (visible && ops.has_mask) visible = mask[", "if (false) visible = mask[")], [FMA, MMA],
+    m("mask-ignored-kernels", [("if (visible && ops.has_mask) visible = mask[", "if (false) visible = mask[")], [FMA, MMA],
       "the mask is never read"),
-    m("bias-base-e-kernels", "cuflash/kernels/forward_common.cuh",
-      [("s += b * kLog2e;", "s += b;")], [FMA, MMA],
+    m("bias-base-e-kernels", [("s += b * kLog2e;", "s += b;")], [FMA, MMA],
       "the bias added in the natural-log domain to scores kept in the log2 domain"),
-    m("bias-hides-nothing-kernels", "cuflash/kernels/forward_common.cuh",
-      [("if (ops.bias_hides) visible = b != -infinity<A>();", "")],
+    m("bias-hides-nothing-kernels", [("if (ops.bias_hides) visible = b != -infinity<A>();", "")],
       [FMA, MMA, f"{INPUTS}::test_a_minus_inf_bias_hides_its_key_like_the_mask"],
       "a -inf bias weights its key by 0 instead of hiding it: NaN in that key leaks"),
-    m("fma-no-rescale", "cuflash/kernels/forward.cuh",
-      [("for (int c = 0; c < EPT; ++c) O_i[a][c] *= alpha;", "")], [FMA],
-      "O_i not rescaled when the running max grows"),
-    m("fma-lse-log2", "cuflash/kernels/forward.cuh",
-      [("(m_i[a] + log2_(l_i[a])) * kLn2", "(m_i[a] + log2_(l_i[a]))")], [FMA], "lse in base 2"),
-    m("fma-multiply-by-zero", "cuflash/kernels/forward.cuh",
-      [("(hidden[a] >> c & 1u) ? hidden_p<Acc>() : p", "p")], [FMA, FMA_NAN],
+    m("softmax-no-rescale", [("O.at(r, c) *= alpha;", "O.at(r, c) *= r % 2 == 0 ? alpha : Acc(1);")], [MMA, FMA],
+      "half of O_i's rows (in the tensor-core fragments: the rows + 8) not rescaled when the running max moves"),
+    m("softmax-sum-not-rescaled", [("l[r] *= alpha;", "")], [MMA, FMA],
+      "l_i keeps its old reference when the running max moves"),
+    m("softmax-max-never-moves", [("const bool moved = m_new > m[r];", "const bool moved = m_new > m[r] + Acc(200);")],
+      [MMA, FMA], "the running max lags by up to 200 (log2): P = exp2(S - m_i) overflows float32"),
+    m("softmax-empty-row-max", [("m[r] = lowest<Acc>()", "m[r] = -infinity<Acc>()")],
+      [MMA, "tests/test_kernel_mma.py::test_fully_masked_rows_and_bias_minus_inf", FMA],
+      "a row with nothing visible yet takes P = exp2(-inf + inf) = NaN"),
+    m("softmax-lse-log2", [("(m[r] + log2_(total)) * Acc(kLn2)", "(m[r] + log2_(total))")], [FMA, MMA],
+      "lse in base 2 (both forward kernels' shared softmax)"),
+    m("softmax-row-sum-one-lane", [("const Acc total = lanes_sum<Lanes>(l[r]);", "const Acc total = l[r];")],
+      [FMA, MMA], "a row's sum taken from one lane's columns, not from all the lanes that share the row"),
+    m("fma-multiply-by-zero", [("(hidden[a] >> c & 1u) ? hidden_p<Acc>() : S.x[a][c]", "S.x[a][c]")], [FMA, FMA_NAN],
       "hidden keys weighted by exp2(-inf) = 0 instead of skipped: 0 * inf = NaN leaks"),
-    m("fma-prefetch-into-the-tile-in-use", "cuflash/kernels/forward.cuh",
-      [("load_kv_async(j0 + Bc, stage ^ 1);", "load_kv_async(j0 + Bc, stage);")], [FMA],
+    m("fma-prefetch-into-the-tile-in-use",
+      [("load_kv_async(j0 + Bc, stage ^ 1);", "load_kv_async(j0 + Bc, stage);", "fwd(const Params")], [FMA],
       "two stages: the next tile's K and V copied over the tile being computed"),
-    m("fma-no-cp-async-wait", "cuflash/kernels/forward.cuh",
-      [("            ptx::cp_async_wait<0>();\n            __syncthreads();  // tile j has landed",
+    m("fma-no-cp-async-wait", [("            ptx::cp_async_wait<0>();\n            __syncthreads();  // tile j has landed",
         "            __syncthreads();  // tile j has landed")], [FMA],
       "two stages: the barrier does not wait for the tile's copies to land"),
     # ---- the CUDA-core backward kernels
-    m("bwd-no-delta-kernels", "cuflash/kernels/backward.cuh",
-      [("ds = visible ? p * (dP - delta_i) : A(0);", "ds = visible ? p * dP : A(0);")], [BWD_SIMT],
-      "dS without D_i = rowsum(dO * O) in both kernels"),
-    m("bwd-multiply-by-zero", "cuflash/kernels/tile.cuh",
-      [("out[a][c] = (Careful && p_j[a][t] < Acc(0)) ? out[a][c] : o;", "out[a][c] = o;")],
+    m("bwd-no-delta-kernels", [("ds = visible ? p * (dP - t.delta) : A(0);", "ds = visible ? p * dP : A(0);")],
+      [BWD_SIMT], "dS without D_i = rowsum(dO * O) in both kernels"),
+    m("bwd-multiply-by-zero", [("out[a][c] = (Careful && p_j[a][t] < Acc(0)) ? out[a][c] : o;", "out[a][c] = o;")],
       [BWD_SIMT, f"{BWD_SIMT_FILE}::test_hidden_non_finite_keys_never_leak", FMA_NAN],
       "hidden pairs weighted by 0 instead of skipped: an inf in a hidden key or query row leaks as NaN"),
-    m("bwd-dq-prefetch-in-use", "cuflash/kernels/backward.cuh",
-      [("if (j0 + Bc < ops.keys.end) load_kv_async(j0 + Bc, stage ^ 1);",
-        "if (j0 + Bc < ops.keys.end) load_kv_async(j0 + Bc, stage);")], [BWD_SIMT],
+    m("bwd-dq-prefetch-in-use",
+      [("load_kv_async(j0 + Bc, stage ^ 1);", "load_kv_async(j0 + Bc, stage);", "bwd_dq(const Params")], [BWD_SIMT],
       "dQ's two stages: the next key tile's K and V copied over the tile being computed"),
-    m("bwd-dkdv-prefetch-in-use", "cuflash/kernels/backward.cuh",
-      [("load_queries_async(i0 + Br, stage ^ 1);", "load_queries_async(i0 + Br, stage);")], [BWD_SIMT],
+    m("bwd-dkdv-prefetch-in-use", [("load_queries_async(i0 + Br, stage ^ 1);", "load_queries_async(i0 + Br, stage);")], [BWD_SIMT],
       "dK dV's two stages: the next query tile's Q, dO and row terms written over the tile being computed"),
-    m("bwd-dq-missing-barrier", "cuflash/kernels/backward.cuh",
-      [("        __syncthreads();\n        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ",
+    m("bwd-dq-missing-barrier", [("        __syncthreads();\n        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ",
         "        weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ")],
       ["tests/simt/test_simt_race.py::test_race_mode_is_silent_on_correct_kernels"],
       "dQ reads the shared dS tile before every lane of its row group has written it"),
-    m("bwd-query-range-short", "cuflash/kernels/backward.cuh",
-      [("const long long end = min_ll(n, j1 - 1 - offset + left + 1);",
+    m("bwd-query-range-short", [("const long long end = min_ll(n, j1 - 1 - offset + left + 1);",
         "const long long end = min_ll(n, j1 - 1 - offset + left);")], [BWD_SIMT],
       "the last query that sees a key tile is never swept: dK, dV miss its share"),
-    m("bwd-dbias-unwritten", "cuflash/kernels/backward.cuh",
-      [("if (!plain && (flags & kWantDbias) && r < rows && jj < cols)",
-        "if (!plain && (flags & kWantDbias) && r < rows && jj < cols - 1)")],
+    m("bwd-dbias-unwritten", [("if (!plain && (p.flags & kWantDbias) && r < rows && jj < cols)",
+                                "if (!plain && (p.flags & kWantDbias) && r < rows && jj < cols - 1)")],
       [BWD_SIMT], "the last key of each tile gets no bias gradient"),
-    m("bwd-mma-careless", "cuflash/kernels/backward_mma.cuh",
-      [("const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads>(K_j, cols));",
+    m("bwd-mma-careless", [("const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads>(K_j, cols));",
         "const bool careful = false;")],
       [f"{BWD_SIMT_FILE}::test_hidden_non_finite_keys_never_leak"],
       "dQ on tensor cores even where a hidden key holds inf: 0 * inf = NaN leaks into dq"),
-    m("bwd-mma-prefetch-in-use", "cuflash/kernels/backward_mma.cuh",
-      [("load(order.at(t + 1), ring.before(), ring.hop_before(), steady);",
+    m("bwd-mma-prefetch-in-use", [("load(order.at(t + 1), ring.before(), ring.hop_before(), steady);",
         "load(order.at(t + 1), ring.stage, 0, steady);")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_kernels_match_reference"],
       "two stages: the next swept tile's copies (dQ's K and V, dK dV's Q, dO and row terms) over the tile in use"),
-    m("bwd-mma-dv-from-ds", "cuflash/kernels/backward_mma.cuh",
-      [("        if (!careful) {\n            mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);",
+    m("bwd-mma-dv-from-ds", [("        if (!careful) {\n            mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);",
         "        if (!careful) {\n            mma::product_kn<T, MT, Br, E>(dV, dS, dO_i, lane);")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_kernels_match_reference"],
       "the other tiles' dV accumulates dS^T dO instead of P^T dO"),
-    m("bwd-mma-steady-dv-from-ds", "cuflash/kernels/backward_mma.cuh",
-      [("mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);\n            mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);"
+    m("bwd-mma-steady-dv-from-ds", [("mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);\n            mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);"
         "\n            return;",
         "mma::product_kn<T, MT, Br, E>(dV, dS, dO_i, lane);\n            mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);"
         "\n            return;")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_steady_loops_match_reference"],
       "the steady tiles' dV accumulates dS^T dO instead of P^T dO"),
-    m("bwd-mma-steady-no-delta", "cuflash/kernels/backward_mma.cuh",
-      [("mma::plain_gradient(p, ds, t.shift, t.delta, scale_log2, p, ds);\n                        }\n            "
-        "mma::product_kn<T, MT, Br, E>",
-        "mma::plain_gradient(p, ds, t.shift, 0.0f, scale_log2, p, ds);\n                        }\n            "
-        "mma::product_kn<T, MT, Br, E>")],
+    m("bwd-mma-steady-no-delta", [("t.shift, t.delta, p.scale_log2", "t.shift, 0.0f, p.scale_log2", "bwd_mma_dkdv(")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_steady_loops_match_reference"],
       "dK dV's steady tiles: dS without D_i"),
-    m("bwd-mma-dkdv-window-untransposed", "cuflash/kernels/backward_mma.cuh",
-      [("seen_whole(queries, Br, j0, keys, -offset, right, left)", "seen_whole(queries, Br, j0, keys, -offset, left, right)")],
+    m("bwd-mma-dkdv-window-untransposed",
+      [("seen_whole(ops.queries, Br, ops.keys.begin, Bc, -ops.offset, right, left)",
+        "seen_whole(ops.queries, Br, ops.keys.begin, Bc, -ops.offset, left, right)")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_plain_tiles_inside_a_window"],
       "dK dV's plain query tiles from the window as the queries see it, not transposed: edge tiles taken as plain"),
-    m("bwd-row-terms-no-empty-rows", "cuflash/launch.py",
-      [("terms[..., 0] = xp.where(lse == -np.inf, acc.type(0), shift)", "terms[..., 0] = shift")],
+    m("bwd-row-terms-no-empty-rows", [("terms[..., 0] = xp.where(lse == -np.inf, acc.type(0), shift)", "terms[..., 0] = shift")],
       [f"{BWD_SIMT_FILE}::test_row_terms_shift_a_row_that_saw_nothing_by_zero"],
       "a row that saw no key keeps its shift of -inf: its P = exp2(-inf + inf) is NaN"),
     # ---- the tensor-core kernel
-    m("mma-no-rescale", "cuflash/kernels/forward_mma.cuh",
-      [("O_i[mt][et][2 * h + x] *= alpha;", "O_i[mt][et][2 * h + x] *= h == 0 ? alpha : 1.0f;")], [MMA],
-      "half of O_i's fragment (the rows + 8) not rescaled when the running max moves"),
-    m("mma-sum-not-rescaled", "cuflash/kernels/forward_mma.cuh",
-      [("l_i[mt][h] *= alpha;", "")], [MMA],
-      "l_i keeps its old reference when the running max moves"),
-    m("mma-max-never-moves", "cuflash/kernels/forward_mma.cuh",
-      [("const bool moved = m_new > m_i[mt][h];", "const bool moved = m_new > m_i[mt][h] + 200.0f;")],
-      [MMA], "the running max lags by up to 200 (log2): P = exp2(S - m_i) overflows float32"),
-    m("mma-lse-log2", "cuflash/kernels/forward_mma.cuh",
-      [("(m_i[mt][h] + log2_(l)) * kLn2", "(m_i[mt][h] + log2_(l))")], [MMA], "lse in base 2"),
-    m("mma-multiply-by-zero", "cuflash/kernels/forward_mma.cuh",
-      [("partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, E, Threads, Smem::LDV>",
+    m("mma-multiply-by-zero", [("partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, E, Threads, Smem::LDV>",
         "false && __syncthreads_or(mma::tile_nonfinite<T, Bc, E, Threads, Smem::LDV>")],
       [MMA, "tests/test_kernel_mma.py::test_nan_and_inf_in_hidden_keys_never_leak"],
       "P V on tensor cores even where hidden values hold inf or NaN"),
-    m("mma-window-edge-tile-twice", "cuflash/kernels/forward_common.cuh",
-      [("t < tiles - plain.lo ? plain.lo + t : t - (tiles - plain.lo);",
+    m("mma-window-edge-tile-twice", [("t < tiles - plain.lo ? plain.lo + t : t - (tiles - plain.lo);",
         "t < tiles - plain.lo ? plain.lo + t : t - (tiles - plain.lo) + 1;")],
       ["tests/test_kernel_mma.py::test_tiles_before_a_windows_first_plain_one_are_swept_last",
        f"{BWD_SIMT_FILE}::test_tensor_core_kernels_match_reference"],
       "the tiles before a window's first plain one visit one tile late: the first is never swept, one twice"),
-    m("mma-empty-row-max", "cuflash/kernels/forward_mma.cuh",
-      [("m_i[mt][h] = lowest<Acc>();", "m_i[mt][h] = -infinity<Acc>();")],
-      [MMA, "tests/test_kernel_mma.py::test_fully_masked_rows_and_bias_minus_inf"],
-      "a row with nothing visible yet takes P = exp2(-inf + inf) = NaN"),
-    m("mma-steady-one-too-many", "cuflash/kernels/forward_common.cuh",
-      [("min(plain.hi, full - (Stages - 1)) - plain.lo", "min(plain.hi, full - (Stages - 2)) - plain.lo")],
+    m("mma-steady-one-too-many", [("min(plain.hi, full - (Stages - 1)) - plain.lo", "min(plain.hi, full - (Stages - 2)) - plain.lo")],
       ["tests/test_kernel_mma.py::test_memcheck_under_address_sanitizer",
        f"{BWD_SIMT_FILE}::test_backward_under_address_sanitizer"],
       "the last steady visit prefetches a short last tile through the chunk loaders (whole rows past m)"),
-    m("mma-hot-loop-never-leaves", "cuflash/kernels/forward_mma.cuh",
-      [("if (move_max(S, scale_log2, m_old)) break;", "move_max(S, scale_log2, m_old);")],
+    m("mma-hot-loop-never-leaves", [("if (softmax.raise_max(S, p.scale_log2, m_old)) return true;",
+                                      "softmax.raise_max(S, p.scale_log2, m_old);")],
       ["tests/test_kernel_mma.py::test_hot_loop_leaves_to_rescale_when_a_later_tile_holds_the_max"],
       "the steady tiles' hot loop moves m_i but never leaves to rescale O_i and l_i"),
-    m("mma-part-values", "cuflash/kernels/forward_mma.cuh",
-      [("V_j + c0 * Smem::LDV * (int)sizeof(T), kLoBytes);", "V_j, kLoBytes);")],
+    m("mma-part-values", [("V_j + c0 * Smem::LDV * (int)sizeof(T), kLoBytes);", "V_j, kLoBytes);")],
       ["tests/test_kernel_mma.py::test_other_tiles_in_two_parts"],
       "a tile's second part of keys multiplies P by the first part's value rows"),
-    m("mma-part-visibility", "cuflash/kernels/forward_mma.cuh",
-      [("quad_row + 8 * h, j0 + c0, part_cols,", "quad_row + 8 * h, j0, part_cols,")],
+    m("mma-part-visibility", [("score_step(S, hidden, step, j0 + c0, part_cols);",
+                                "score_step(S, hidden, step, j0, part_cols);")],
       ["tests/test_kernel_mma.py::test_other_tiles_in_two_parts"],
       "a tile's second part of keys takes the window of the first"),
-    m("rows-past-n-visible-kernels", "cuflash/kernels/forward_common.cuh",
-      [("    if (i >= n) return {0, 0};\n", "")], [BWD_SIMT],
+    m("rows-past-n-visible-kernels", [("    if (i >= n) return {0, 0};\n", "")], [BWD_SIMT],
       "queries past the swept tile count in dK and dV (the backward passes n = the tile's end)"),
+    m("partial-ignores-a-short-tile", [("ops.has_mask || ops.bias_hides || cols < Bc ||", "ops.has_mask || ops.bias_hides ||")],
+      [FMA, MMA, BWD_SIMT], "a short last tile taken as full: the zero-filled keys past m count as scores"),
+    # ---- the launch's tables and the planner
+    m("params-fields-swapped", [('[("scale_log2", acc), ("scale", acc)', '[("scale", acc), ("scale_log2", acc)')],
+      ["tests/test_layout.py"], "the declared Params no longer match the struct every kernel takes"),
+    m("limit-drifts", [("Q_REGISTER_WORDS = 192", "Q_REGISTER_WORDS = 160")],
+      ["tests/test_layout.py::test_every_limit_a_family_shares_with_its_kernel_holds"],
+      "the planner's model of Q_i in registers no longer matches the kernel's"),
+    m("plan-kept-for-the-wrong-kind", [("return _plan(shape, device, block, kind)", 'return _plan(shape, device, block, "forward")')],
+      [f"{BWD_SIMT_FILE}::test_matches_reference", "tests/test_tiling.py"],
+      "a kept plan answers for another kind of kernel: the backward launches the forward"),
     # ---- the tensor-core kernel's float32 and float64 products (mma_tile.cuh's FwdMath)
-    m("mma-f32-two-passes", "cuflash/kernels/mma_tile.cuh",
-      [("ptx::mma_m16n8k8_tf32(c, a.lo, b_hi, c);", "")], [MMA_WIDE],
+    m("mma-f32-two-passes", [("ptx::mma_m16n8k8_tf32(c, a.lo, b_hi, c);", "")], [MMA_WIDE],
       "3xTF32 without its a_lo b_hi pass: float32 no longer exact to its rule"),
-    m("mma-f32-lo-not-stored", "cuflash/kernels/mma_tile.cuh",
-      [("if (Passes == 3) *reinterpret_cast<Chunk16*>", "if (Passes == 4) *reinterpret_cast<Chunk16*>")], [MMA_WIDE],
+    m("mma-f32-lo-not-stored", [("if (Passes == 3) *reinterpret_cast<Chunk16*>", "if (Passes == 4) *reinterpret_cast<Chunk16*>")], [MMA_WIDE],
       "3xTF32's low parts never written to shared memory: the products read whatever is there"),
-    m("mma-f32-pv-key-order", "cuflash/kernels/mma_tile.cuh",
-      [("const float p[4] = {P[mt][kk][0], P[mt][kk][2], P[mt][kk][1], P[mt][kk][3]};",
+    m("mma-f32-pv-key-order", [("const float p[4] = {P[mt][kk][0], P[mt][kk][2], P[mt][kk][1], P[mt][kk][3]};",
         "const float p[4] = {P[mt][kk][0], P[mt][kk][1], P[mt][kk][2], P[mt][kk][3]};")],
       [MMA_WIDE], "P's fragment for the TF32 P V in the C layout's order: keys 2t + 1 and rows g + 8 swapped"),
-    m("mma-f64-bottom-rows", "cuflash/kernels/mma_tile.cuh",
-      [("mma2(c, a.x[0], a.x[1], b.x[n]);", "mma2(c, a.x[0], a.x[0], b.x[n]);")], [MMA_WIDE],
+    m("mma-f64-bottom-rows", [("mma2(c, a.x[0], a.x[1], b.x[n]);", "mma2(c, a.x[0], a.x[0], b.x[n]);")], [MMA_WIDE],
       "float64 S of rows g + 8 from rows g's Q fragment"),
     # ---- the emulator's PTX twins and collectives
-    m("mma-twin-a-fragment", "cuflash/kernels/ptx.cuh",
-      [("row = g + 8 * (r & 1); k = 2 * t + h + 8 * (r >> 1);",
+    m("mma-twin-a-fragment", [("row = g + 8 * (r & 1); k = 2 * t + h + 8 * (r >> 1);",
         "row = g + 8 * (r >> 1); k = 2 * t + h + 8 * (r & 1);")],
       [PTX], "a1 and a2 of the m16n8k16 A fragment swapped"),
-    m("mma-twin-c-fragment", "cuflash/kernels/ptx.cuh",
-      [("row = (lane >> 2) + 8 * (e >> 1);", "row = (lane >> 2) + 8 * (e & 1);")], [PTX],
+    m("mma-twin-c-fragment", [("row = (lane >> 2) + 8 * (e >> 1);", "row = (lane >> 2) + 8 * (e & 1);")], [PTX],
       "the C/D fragment's rows taken from the wrong bit"),
-    m("ldmatrix-twin-trans", "cuflash/kernels/ptx.cuh",
-      [("unsigned lo = Trans ? M[j][col][row] : M[j][row][col];", "unsigned lo = M[j][row][col];")], [PTX],
+    m("ldmatrix-twin-trans", [("unsigned lo = Trans ? M[j][col][row] : M[j][row][col];", "unsigned lo = M[j][row][col];")], [PTX],
       "ldmatrix .trans delivers the untransposed low half"),
-    m("mma-f64-twin-c-fragment", "cuflash/kernels/ptx.cuh",
-      [("for (int e = 0; e < 2; e++) C[g][2 * t + e] = L.c[e];",
+    m("mma-f64-twin-c-fragment", [("for (int e = 0; e < 2; e++) C[g][2 * t + e] = L.c[e];",
         "for (int e = 0; e < 2; e++) C[g][t + 4 * e] = L.c[e];")],
       [f"{PTX}::test_mma_f64_fragment_layout_exact"], "the f64 mma's C elements taken from columns t and t + 4"),
-    m("mma-f64-twin-k-reversed", "cuflash/kernels/ptx.cuh",
-      [("for (int k = 0; k < 4; k++) acc = std::fma(", "for (int k = 3; k >= 0; k--) acc = std::fma(")],
+    m("mma-f64-twin-k-reversed", [("for (int k = 0; k < 4; k++) acc = std::fma(", "for (int k = 3; k >= 0; k--) acc = std::fma(")],
       [f"{PTX}::test_mma_f64_random_values_bit_for_bit"], "the f64 mma's fma chain runs over k backwards"),
-    m("mma-f64-twin-ftz", "cuflash/kernels/ptx.cuh",
-      [("::cuflash_simt::set_mxcsr(mxcsr & ~0x8040u);", "::cuflash_simt::set_mxcsr(mxcsr);")],
+    m("mma-f64-twin-ftz", [("::cuflash_simt::set_mxcsr(mxcsr & ~0x8040u);", "::cuflash_simt::set_mxcsr(mxcsr);")],
       [f"{PTX}::test_mma_f64_random_values_bit_for_bit"],
       "the f64 mma flushes float64 subnormals, as the emulator's -ftz flushes float32"),
-    m("cvt-tf32-twin-ties-toward-zero", "cuflash/kernels/ptx.cuh",
-      [("return sign | ((mag + 0x1000u) & 0xffffe000u);", "return sign | ((mag + 0x0fffu) & 0xffffe000u);")],
+    m("cvt-tf32-twin-ties-toward-zero", [("return sign | ((mag + 0x1000u) & 0xffffe000u);", "return sign | ((mag + 0x0fffu) & 0xffffe000u);")],
       [f"{PTX}::test_cvt_rna_tf32_by_hand", f"{PTX}::test_cvt_rna_tf32_bit_for_bit"],
       "cvt.rna.tf32 rounds ties toward zero"),
-    m("shfl-up-delta-unmasked", "cuflash/simt/runtime/collectives.h",
-      [("case UP: j = lane - (b & 31); ok = j >= max_lane; break;", "case UP: j = lane - b; ok = j >= max_lane; break;")],
+    m("shfl-up-delta-unmasked", [("case UP: j = lane - (b & 31); ok = j >= max_lane; break;", "case UP: j = lane - b; ok = j >= max_lane; break;")],
       ["tests/simt/test_simt_basics.py::test_shuffle_up_by_33_is_up_by_one"],
       "__shfl_up_sync uses the whole delta, where PTX reads its low five bits"),
-    m("cp-async-window-unpoisoned", "cuflash/simt/runtime/cp_async.h",
-      [("  else cp_poison(c, true);\n  f->cp_queue.push_back(c);", "  f->cp_queue.push_back(c);")],
+    m("cp-async-window-unpoisoned", [("  else cp_poison(c, true);\n  f->cp_queue.push_back(c);", "  f->cp_queue.push_back(c);")],
       ["tests/simt/test_simt_cp_async.py::test_memcheck_reports_an_access_inside_the_window"],
       "memcheck no longer sees a cp.async destination touched before its wait"),
-    m("race-blocks-ordered", "cuflash/simt/runtime/scheduler.h",
-      [("    if (f.tsan_copy) L.race_retired.push_back(f.tsan_copy);\n    f.tsan_copy = nullptr;\n"
+    m("race-blocks-ordered", [("    if (f.tsan_copy) L.race_retired.push_back(f.tsan_copy);\n    f.tsan_copy = nullptr;\n"
         "    std::free(f.tsan_landed);\n    f.tsan_landed = nullptr;\n", "")],
       ["tests/simt/test_simt_race.py::test_race_mode_reports_global_memory_races_between_blocks"],
       "a thread's cp.async copies carry one block's clock into the next: races between blocks go unreported"),
-    m("shfl-xor-twin", "cuflash/simt/runtime/collectives.h",
-      [("default: j = lane ^ (b & 31); ok = j <= max_lane; break;",
+    m("shfl-xor-twin", [("default: j = lane ^ (b & 31); ok = j <= max_lane; break;",
         "default: j = lane ^ (b & 15); ok = j <= max_lane; break;")], ["tests/simt/test_simt_basics.py"],
       "__shfl_xor_sync ignores the lane mask's top bit"),
 )
@@ -362,19 +317,56 @@ MUTANTS = (
 IGNORE = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", "build")
 
 
-def mutated(mutant: Mutant, text: str) -> str:
-    """The file's text with the mutant's edits; ValueError when an edit's text is not there exactly once."""
-    for old, new in mutant.edits:
-        count = text.count(old)
-        if count != 1:
-            raise ValueError(f"mutant {mutant.name}: {old!r} occurs {count} times in {mutant.file}, not once")
-        text = text.replace(old, new)
-    return text
+def pattern(text: str) -> "re.Pattern[str]":
+    """text as a regular expression in which every run of whitespace matches any run of whitespace (or none
+    where text has it at its ends)."""
+    words = text.split()
+    return re.compile(r"\s+".join(re.escape(w) for w in words))
+
+
+def sources(root: Path) -> dict:
+    """{path relative to root: text} of every file a mutant may change."""
+    return {str(path.relative_to(root)): path.read_text() for glob in SOURCES for path in sorted(root.glob(glob))}
+
+
+def locate(edit: Edit, texts: dict) -> Tuple[str, int, int]:
+    """(file, start, end) of the text an edit changes; ValueError when its anchor or text is not found once."""
+    where = ""
+    if edit.within:
+        anchors = [(f, a) for f, t in texts.items() for a in pattern(edit.within).finditer(t)]
+        if len(anchors) != 1:
+            raise ValueError(f"{edit.within!r} occurs {len(anchors)} times in the project, not once")
+        where, anchor = anchors[0]
+        found = pattern(edit.old).search(texts[where], anchor.end())
+        if found is None:
+            raise ValueError(f"{edit.old!r} does not occur after {edit.within!r} in {where}")
+        return where, found.start(), found.end()
+    hits = [(f, x) for f, t in texts.items() for x in pattern(edit.old).finditer(t)]
+    if len(hits) != 1:
+        listed = ", ".join(sorted({f for f, _ in hits}))
+        raise ValueError(f"{edit.old!r} occurs {len(hits)} times in the project ({listed}), not once: give the "
+                         f"definition it lives in (within=)")
+    where, found = hits[0]
+    return where, found.start(), found.end()
+
+
+def mutated(mutant: Mutant, texts: dict) -> dict:
+    """{file: its mutated text} for the files the mutant changes; ValueError (naming the mutant) when an edit no
+    longer applies."""
+    texts = dict(texts)
+    changed = {}
+    for edit in mutant.edits:
+        try:
+            where, start, end = locate(edit, texts)
+        except ValueError as exc:
+            raise ValueError(f"mutant {mutant.name}: {exc}") from None
+        texts[where] = changed[where] = texts[where][:start] + edit.new + texts[where][end:]
+    return changed
 
 
 def apply(mutant: Mutant, root: Path) -> None:
-    path = root / mutant.file
-    path.write_text(mutated(mutant, path.read_text()))
+    for where, text in mutated(mutant, sources(root)).items():
+        (root / where).write_text(text)
 
 
 def run_one(mutant: Mutant, timeout: float) -> dict:
@@ -417,12 +409,13 @@ def main(argv=None) -> int:
     unknown = set(args.names) - {x.name for x in MUTANTS}
     if unknown:
         parser.error(f"unknown mutants: {', '.join(sorted(unknown))}")
+    texts = sources(ROOT)
     if args.list:
         for x in chosen:
-            print(f"{x.name:34} {x.file:32} {x.why}")
+            print(f"{x.name:34} {', '.join(sorted(mutated(x, texts))):32} {x.why}")
         return 0
     for x in chosen:  # fail fast on a list that no longer applies
-        mutated(x, (ROOT / x.file).read_text())
+        mutated(x, texts)
     start = time.time()
     print(f"{'mutant':34} {'verdict':9} {'seconds':>7}  caught by")
     results = []
