@@ -57,6 +57,21 @@ struct MmaBackwardShared {
     static constexpr size_t bytes = sweep_offset + align16(sizeof(Sweep));
 };
 
+// The shared tiles of one block by name, and this warp's scratch (W: 16 rows of the swept width + 1 floats, H: 16 x 4
+// words of hidden bits).
+template <typename T, typename Smem> struct MmaBackwardTiles {
+    T *Q, *dO, *K, *V;
+    RowTerm<float>* terms;
+    float* W;
+    unsigned* H;
+    __device__ __forceinline__ MmaBackwardTiles(unsigned char* smem, int warp)
+        : Q(reinterpret_cast<T*>(smem + Smem::q_offset)), dO(reinterpret_cast<T*>(smem + Smem::do_offset)),
+          K(reinterpret_cast<T*>(smem + Smem::k_offset)), V(reinterpret_cast<T*>(smem + Smem::v_offset)),
+          terms(reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset)),
+          W(reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW),
+          H(reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4) {}
+};
+
 namespace mma {
 
 // C[MT][N / 8] = A B^T over K columns: A's rows row0 + 16 mt (tile A, padded K wide), B's rows the n8 columns
@@ -199,11 +214,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
                   "head-dim buckets are multiples of 32");
 
     extern __shared__ __align__(16) unsigned char smem[];
-    T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
-    T* dO_s = reinterpret_cast<T*>(smem + Smem::do_offset);
-    T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
-    T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
-    RowTerm<float>* terms_s = reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
+    const MmaBackwardTiles<T, Smem> s(smem, warp);
     if (!in_batch(p)) return;
     // The block's view of the launch (its keys, and the queries that see them: the swept tiles) and its sweep.
     // The plain query tiles see every key of the block, with neither mask nor bias (plain_tiles). Whole query
@@ -225,18 +237,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
     const long long j0 = ops.keys.begin;
     const int keys = ops.keys.size();
     const RowTerm<float>* const terms_b = row_terms_of(p.terms, ops.base);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // this warp's first key row within the tile
-    float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
-    unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
 
-    load_rows_async<T, Bc, D, Smem::LDD, Threads>(K_s, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
-    load_rows_async<T, Bc, E, Smem::LDE, Threads>(V_s, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
+    load_rows_async<T, Bc, D, Smem::LDD, Threads>(s.K, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
+    load_rows_async<T, Bc, E, Smem::LDE, Threads>(s.V, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
     ptx::cp_async_commit();
 
     const long long chunks_from = queries.begin + (long long)order.plain.lo * Br;
-    QLoader Q_load(ops.row_of(p.q, kQ, chunks_from), ops.strides(kQ).row, (int)p.d, Q_s);
-    OLoader dO_load(ops.row_of(p.dout, kDout, chunks_from), ops.strides(kDout).row, (int)p.e, dO_s);
+    QLoader Q_load(ops.row_of(p.q, kQ, chunks_from), ops.strides(kQ).row, (int)p.d, s.Q);
+    OLoader dO_load(ops.row_of(p.dout, kDout, chunks_from), ops.strides(kDout).row, (int)p.e, s.dO);
 
     // Query tile `tile`'s Q_i, dO_i and row terms into stage `stage`.
     const auto load_queries = [&](int tile, int stage, int hop, auto steady) {
@@ -246,13 +255,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
             Q_load.next(hop);
             dO_load.next(hop);
         } else {
-            load_rows_async<T, Br, D, Smem::LDD, Threads>(Q_s + stage * Br * Smem::LDD,
+            load_rows_async<T, Br, D, Smem::LDD, Threads>(s.Q + stage * Br * Smem::LDD,
                                                          ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
-            load_rows_async<T, Br, E, Smem::LDE, Threads>(dO_s + stage * Br * Smem::LDE,
+            load_rows_async<T, Br, E, Smem::LDE, Threads>(s.dO + stage * Br * Smem::LDE,
                                                          ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0,
                                                          rows);
         }
-        load_row_terms<Br, Threads, true>(terms_s + stage * Br, terms_b, i0, rows);
+        load_row_terms<Br, Threads, true>(s.terms + stage * Br, terms_b, i0, rows);
         ptx::cp_async_commit();
     };
 
@@ -260,12 +269,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
     mma::zero(dK);
     mma::zero(dV);
     const auto visit = [&](const int tile, const int stage, auto steady) {
-        const T* const Q_i = Q_s + stage * Br * Smem::LDD;
-        const T* const dO_i = dO_s + stage * Br * Smem::LDE;
-        const RowTerm<float>* const terms_i = terms_s + stage * Br;
+        const T* const Q_i = s.Q + stage * Br * Smem::LDD;
+        const T* const dO_i = s.dO + stage * Br * Smem::LDE;
+        const RowTerm<float>* const terms_i = s.terms + stage * Br;
         float P[MT][NT][4], dS[MT][NT][4];  // transposed: keys by row, queries by column; S and dP at first
-        mma::product_nk<T, MT, Br, D>(P, K_s, Q_i, warp_row, lane);
-        mma::product_nk<T, MT, Br, E>(dS, V_s, dO_i, warp_row, lane);
+        mma::product_nk<T, MT, Br, D>(P, s.K, Q_i, warp_row, lane);
+        mma::product_nk<T, MT, Br, E>(dS, s.V, dO_i, warp_row, lane);
         if constexpr (decltype(steady)::value) {  // a plain tile: every pair visible
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -314,8 +323,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
             mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
             mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
         } else {
-            mma::acc_by_selection<T, Br, E, MT>(dV, P, hidden, W_w, H_w, dO_i, rows, lane);
-            mma::acc_by_selection<T, Br, D, MT>(dK, dS, hidden, W_w, H_w, Q_i, rows, lane);
+            mma::acc_by_selection<T, Br, E, MT>(dV, P, hidden, s.W, s.H, dO_i, rows, lane);
+            mma::acc_by_selection<T, Br, D, MT>(dK, dS, hidden, s.W, s.H, Q_i, rows, lane);
         }
     };
     mma::sweep<Stages>(order, load_queries, visit);
@@ -336,11 +345,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
                   "head-dim buckets are multiples of 32");
 
     extern __shared__ __align__(16) unsigned char smem[];
-    T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
-    T* dO_s = reinterpret_cast<T*>(smem + Smem::do_offset);
-    T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
-    T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
-    RowTerm<float>* terms_s = reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
+    const MmaBackwardTiles<T, Smem> s(smem, warp);
     if (!in_batch(p)) return;
     // The block's view of the launch and its sweep. The plain key tiles: plain_tiles (full, seen by every query of
     // the block, no mask or bias). Whole key tiles of 16-byte rows from the first plain one on come through each
@@ -359,20 +365,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
     const SweepOrder& order = sweep.order;
     const long long& i0 = ops.queries.begin;
     const int rows = ops.queries.size();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
     const int warp_row = warp * 16 * MT;  // this warp's first query row within the tile
-    float* W_w = reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW;
-    unsigned* H_w = reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4;
 
-    load_rows_async<T, Br, D, Smem::LDD, Threads>(Q_s, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
-    load_rows_async<T, Br, E, Smem::LDE, Threads>(dO_s, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0,
+    load_rows_async<T, Br, D, Smem::LDD, Threads>(s.Q, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
+    load_rows_async<T, Br, E, Smem::LDE, Threads>(s.dO, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0,
                                                  rows);
-    load_row_terms<Br, Threads, true>(terms_s, row_terms_of(p.terms, ops.base), i0, rows);
+    load_row_terms<Br, Threads, true>(s.terms, row_terms_of(p.terms, ops.base), i0, rows);
     ptx::cp_async_commit();
 
     const long long chunks_from = ops.keys.begin + (long long)order.plain.lo * Bc;
-    KLoader K_load(ops.row_of(p.k, kK, chunks_from), ops.strides(kK).row, (int)p.d, K_s);
-    VLoader V_load(ops.row_of(p.v, kV, chunks_from), ops.strides(kV).row, (int)p.e, V_s);
+    KLoader K_load(ops.row_of(p.k, kK, chunks_from), ops.strides(kK).row, (int)p.d, s.K);
+    VLoader V_load(ops.row_of(p.v, kV, chunks_from), ops.strides(kV).row, (int)p.e, s.V);
 
     // Key tile `tile`'s K_j and V_j into stage `stage`.
     const auto load_kv = [&](int tile, int stage, int hop, auto steady) {
@@ -382,9 +385,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
         } else {
             const long long j0 = ops.keys.begin + (long long)tile * Bc;
             const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-            load_rows_async<T, Bc, D, Smem::LDD, Threads>(K_s + stage * Bc * Smem::LDD,
+            load_rows_async<T, Bc, D, Smem::LDD, Threads>(s.K + stage * Bc * Smem::LDD,
                                                          ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, cols);
-            load_rows_async<T, Bc, E, Smem::LDE, Threads>(V_s + stage * Bc * Smem::LDE,
+            load_rows_async<T, Bc, E, Smem::LDE, Threads>(s.V + stage * Bc * Smem::LDE,
                                                          ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, cols);
         }
         ptx::cp_async_commit();
@@ -393,17 +396,17 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
     float dQ[MT][DT][4];
     mma::zero(dQ);
     const auto visit = [&](const int tile, const int stage, auto steady) {
-        const T* const K_j = K_s + stage * Bc * Smem::LDD;
-        const T* const V_j = V_s + stage * Bc * Smem::LDE;
+        const T* const K_j = s.K + stage * Bc * Smem::LDD;
+        const T* const V_j = s.V + stage * Bc * Smem::LDE;
         float P[MT][NT][4], dS[MT][NT][4];  // S and dP at first
-        mma::product_nk<T, MT, Bc, D>(P, Q_s, K_j, warp_row, lane);
-        mma::product_nk<T, MT, Bc, E>(dS, dO_s, V_j, warp_row, lane);
+        mma::product_nk<T, MT, Bc, D>(P, s.Q, K_j, warp_row, lane);
+        mma::product_nk<T, MT, Bc, E>(dS, s.dO, V_j, warp_row, lane);
         if constexpr (decltype(steady)::value) {  // a plain tile: every pair visible, no dbias to write
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const RowTerm<float> t = terms_s[warp_row + 16 * mt + quad_row + 8 * h];
+                    const RowTerm<float> t = s.terms[warp_row + 16 * mt + quad_row + 8 * h];
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -428,7 +431,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
                 hidden[mt][h] = 0;
                 const int r = warp_row + 16 * mt + quad_row + 8 * h;
                 const long long i = i0 + r;
-                const RowTerm<float> t = terms_s[r];
+                const RowTerm<float> t = s.terms[r];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -446,7 +449,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
         if (!careful)
             mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
         else
-            mma::acc_by_selection<T, Bc, D, MT>(dQ, dS, hidden, W_w, H_w, K_j, cols, lane);
+            mma::acc_by_selection<T, Bc, D, MT>(dQ, dS, hidden, s.W, s.H, K_j, cols, lane);
     };
     mma::sweep<Stages>(order, load_kv, visit);
     ptx::cp_async_wait<0>();  // no key is visible: Q_i and dO_i were never waited for
