@@ -5,7 +5,7 @@
 # forward kernels (n = m = 128, d = 64). Each step has a time limit and the whole stays under 8 minutes; a failing
 # step does not stop the others.
 #
-#   bench/device_check.sh [DIR]             # everything into DIR (default bench/results/<date>)
+#   bench/device_check.sh [DIR]             # everything into DIR (default bench/results/gpu, rewritten in place)
 #   bench/device_check.sh --dry-run [DIR]   # print the steps and their limits, run nothing
 #
 # DIR/summary.md lists each step's exit code, seconds and log (124: it ran out of time). The script installs
@@ -22,7 +22,7 @@ case "${1:-}" in
     --dry-run) DRY=1; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
 esac
-DIR=${1:-$REPO/bench/results/$(date +%Y-%m-%d)}
+DIR=${1:-$REPO/bench/results/gpu}
 case $DIR in /*) ;; *) DIR=$ORIG/$DIR ;; esac
 PY=${PYTHON:-python3}
 BUDGET=${DEVICE_CHECK_BUDGET_S:-475}
@@ -79,13 +79,15 @@ for name in ("numpy", "cupy", "torch", "ml_dtypes", "pytest", "hypothesis", "mat
 try:
     import cupy
     rt = cupy.cuda.runtime
-    print("cupy sees", rt.getDeviceCount(), "device(s); CUDA runtime", rt.runtimeGetVersion(), "driver", rt.driverGetVersion())
+    print("cupy sees", rt.getDeviceCount(), "device(s); CUDA runtime", rt.runtimeGetVersion(),
+          "driver", rt.driverGetVersion())
     cupy.show_config()
 except Exception as exc:
     print("cupy: no device:", type(exc).__name__, exc)
 try:
     import torch
-    print("torch CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version(), "available", torch.cuda.is_available())
+    print("torch CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version(),
+          "available", torch.cuda.is_available())
 except Exception as exc:
     print("torch:", type(exc).__name__, exc)
 EOF
@@ -98,10 +100,13 @@ has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 # What the steps need that may be missing on a borrowed machine: say so loudly, install nothing.
 PYTEST_ARGS=(-q -p no:cacheprovider -m gpu)
 if [ "$DRY" = 0 ]; then
-    has ml_dtypes || note "ml_dtypes is MISSING: cuflash imports it, so the tests, the demo and cuflash's benchmark rows fail; bring its wheel"
+    has ml_dtypes || note "ml_dtypes is MISSING: cuflash imports it, so the tests, the demo and cuflash's" \
+        "benchmark rows fail; bring its wheel"
     has pytest || note "pytest is MISSING: the test steps fail at once; bring its wheel"
     if ! has hypothesis; then
-        note "hypothesis is MISSING: tests/conftest.py imports it, so pytest runs with --noconftest and --continue-on-collection-errors: the test files that import hypothesis are not collected (their errors are in the logs); the others run"
+        note "hypothesis is MISSING: tests/conftest.py imports it, so pytest runs with --noconftest and" \
+            "--continue-on-collection-errors: the test files that import hypothesis are not collected (their" \
+            "errors are in the logs); the others run"
         PYTEST_ARGS+=(--noconftest --continue-on-collection-errors)
     fi
     # NVRTC compiles each kernel instantiation the tests meet on first use (a second or more each, one at a
@@ -136,8 +141,11 @@ fi
 
 mkdir -p "$DIR" || exit 1
 echo "device check into $DIR, at most $BUDGET s"
-if [ "${DEVICE_CHECK_ANYWAY:-0}" != 1 ] && ! nvidia-smi -L >/dev/null 2>&1 && ! "$PY" -c "import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() < 1)" >/dev/null 2>&1; then
-    note "no CUDA GPU here (nvidia-smi and CuPy see none): nothing was run; on a CPU use python -m bench.attention --tiny"
+COUNT_GPUS="import cupy, sys; sys.exit(cupy.cuda.runtime.getDeviceCount() < 1)"
+if [ "${DEVICE_CHECK_ANYWAY:-0}" != 1 ] && ! nvidia-smi -L >/dev/null 2>&1 && \
+        ! "$PY" -c "$COUNT_GPUS" >/dev/null 2>&1; then
+    note "no CUDA GPU here (nvidia-smi and CuPy see none): nothing was run; on a CPU use" \
+        "python -m bench.attention --tiny"
     NO_GPU=1
 else
     NO_GPU=0

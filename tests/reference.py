@@ -98,7 +98,8 @@ def assert_accurate(result, q, k, v, *, lse=None, precision=None, **options):
     result = np.asarray(result).astype(np.float64)
     assert result.shape == ref_out.shape, (result.shape, ref_out.shape)
     nan_ref = np.isnan(ref_out)
-    np.testing.assert_array_equal(np.isnan(result), nan_ref, err_msg="NaN where the reference has none, or not where it has")
+    np.testing.assert_array_equal(np.isnan(result), nan_ref,
+                                  err_msg="NaN where the reference has none, or not where it has")
     infinite = np.isinf(ref_out)
     np.testing.assert_array_equal(result[infinite], ref_out[infinite], err_msg="infinities differ from the reference")
     finite = ~nan_ref & ~infinite
@@ -140,7 +141,8 @@ def result_dtype_name(q, k, v):
     float16 with bfloat16 giving float32, integers and bools computing in float64."""
     names = {np.dtype(x.dtype).name for x in (q, k, v)}
     if {"float16", "bfloat16"} <= names:
-        return np.result_type(np.float32, *[x.dtype for x in (q, k, v) if x.dtype.name not in ("float16", "bfloat16")]).name
+        wide = [x.dtype for x in (q, k, v) if x.dtype.name not in ("float16", "bfloat16")]
+        return np.result_type(np.float32, *wide).name
     as_numpy = [np.float16 if x.dtype.name == "bfloat16" else x.dtype for x in (q, k, v)]
     result = np.result_type(*as_numpy)
     if result.kind in "biu":
@@ -270,8 +272,8 @@ def assert_grads_accurate(grads, dout, q, k, v, **options):
     """The accuracy rule for gradients, per gradient array: NaN exactly where the float64 reference has NaN, and
     elsewhere |grad - reference| <= 2 * (naive backward's largest error in the input dtype) + an absolute term:
     ABS_TOL plus one rounding to the dtype (its epsilon), of the gradient's largest magnitude (at least 1), and
-    per element gradient_condition with four roundings in the accumulation type and one of O. The rounding of the result is the
-    one error every gradient in that dtype has (naive's may miss it on the element where a backend's is
+    per element gradient_condition with four roundings in the accumulation type and one of O. The rounding of the
+    result is the one error every gradient in that dtype has (naive's may miss it on the element where a backend's is
     largest); the cancellation in dS is the one every FlashAttention backward has (naive's P.dP form may cancel
     exactly where dO.O does not, as with a single visible key)."""
     refs = attention_grads_reference(dout, q, k, v, **options)

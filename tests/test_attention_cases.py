@@ -35,7 +35,8 @@ def test_result_is_exact_softmax_attention(backend):
     ((np.float16,) * 3, np.float16), ((BF16,) * 3, BF16), ((np.float32,) * 3, np.float32),
     ((np.float64,) * 3, np.float64), ((np.float16, np.float32, np.float16), np.float32),
     ((np.float16, BF16, BF16), np.float32), ((BF16, np.float64, BF16), np.float64),
-    ((np.int32,) * 3, np.float64), ((np.bool_, np.int8, np.int8), np.float64), ((np.float16, np.int8, np.float16), np.float16),
+    ((np.int32,) * 3, np.float64), ((np.bool_, np.int8, np.int8), np.float64),
+    ((np.float16, np.int8, np.float16), np.float16),
 ])
 def test_dtype_promotion(backend, dtypes, expected):
     q, k, v = (randn(i, (3, 2)).astype(t) if t != np.bool_ else randn(0, (3, 2)) > 0 for i, t in enumerate(dtypes))

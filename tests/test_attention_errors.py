@@ -44,7 +44,8 @@ def test_batch_does_not_broadcast():
 
 def test_mask_of_wrong_shape():
     q, k, v = qkv(n=4, m=5)
-    with pytest.raises(ValueError, match=r"mask of shape \(4, 4\) does not broadcast to \(\*batch, n, m\) with n=4, m=5"):
+    with pytest.raises(ValueError,
+                       match=r"mask of shape \(4, 4\) does not broadcast to \(\*batch, n, m\) with n=4, m=5"):
         cuflash.attention(q, k, v, mask=np.ones((4, 4), bool))
 
 
@@ -133,7 +134,8 @@ def test_bad_causal():
         cuflash.attention(q, k, v, causal="yes")
 
 
-@pytest.mark.parametrize("scale, error", [("0.5", TypeError), (np.inf, ValueError), (np.nan, ValueError), (1j, TypeError)])
+@pytest.mark.parametrize("scale, error", [("0.5", TypeError), (np.inf, ValueError), (np.nan, ValueError),
+                                          (1j, TypeError)])
 def test_bad_scale(scale, error):
     q, k, v = qkv()
     with pytest.raises(error, match="scale must be"):

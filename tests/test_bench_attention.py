@@ -280,15 +280,26 @@ def test_torch_sdpa_runs_through_dlpack_on_the_cpu(tmp_path):
 # ncu
 
 
-NCU_CSV = '''==PROF== Connected to process 123 (python)
-==PROF== Profiling "gemm": 0%....50%....100% - 1 pass
-"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
-"0","123","python","127.0.0.1","gemm","1","7","(256, 1, 1)","(8, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,048,576"
-"0","123","python","127.0.0.1","gemm","1","7","(256, 1, 1)","(8, 8, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","4096"
-"1","123","python","127.0.0.1","softmax","1","7","(128, 1, 1)","(64, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","Mbyte","2.5"
-"1","123","python","127.0.0.1","softmax","1","7","(128, 1, 1)","(64, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
-==PROF== Disconnected from process 123
-'''
+NCU_HEADER = ("ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+              "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value")
+NCU_ROWS = (("0", "gemm", "(256, 1, 1)", "(8, 8, 1)", "dram__bytes_read.sum", "byte", "1,048,576"),
+            ("0", "gemm", "(256, 1, 1)", "(8, 8, 1)", "dram__bytes_write.sum", "byte", "4096"),
+            ("1", "softmax", "(128, 1, 1)", "(64, 1, 1)", "dram__bytes_read.sum", "Mbyte", "2.5"),
+            ("1", "softmax", "(128, 1, 1)", "(64, 1, 1)", "dram__bytes_write.sum", "byte", "0"))
+
+
+def ncu_line(fields):
+    return ",".join(f'"{x}"' for x in fields)
+
+
+# What ncu --csv prints: its own lines, then one row per kernel and metric.
+NCU_CSV = "\n".join(
+    ["==PROF== Connected to process 123 (python)", '==PROF== Profiling "gemm": 0%....50%....100% - 1 pass',
+     ncu_line(NCU_HEADER)] +
+    [ncu_line((i, "123", "python", "127.0.0.1", kernel, "1", "7", block, grid, "0", "9.0",
+               "Command line profiler metrics", metric, unit, value))
+     for i, kernel, block, grid, metric, unit, value in NCU_ROWS] +
+    ["==PROF== Disconnected from process 123", ""])
 
 
 def test_ncu_csv_is_summed_over_kernels():

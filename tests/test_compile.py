@@ -1,6 +1,7 @@
 """NVRTC compile checks without a GPU: the CUDA-core instantiations the heuristic chooses (forward and backward)
 compile for sm_75 ... sm_90 with no spills and no static shared memory, and each kernel's shared-memory layout
-equals the Python model (static_asserts the compiler evaluates). Needs CuPy's NVRTC binding and the CUDA fp16 headers."""
+equals the Python model (static_asserts the compiler evaluates). Needs CuPy's NVRTC binding and the CUDA fp16
+headers."""
 
 import pytest
 
@@ -34,7 +35,8 @@ def test_shared_memory_layout_equals_the_model():
                 if d > fma_forward.MAX_BUCKET[dtype.name]:
                     continue
                 ctype = C_TYPES[dtype.name]
-                args = f"{ctype}, {config.Br}, {config.Bc}, {fma_forward.bucket(d)}, {fma_forward.bucket(e)}, {config.stages}"
+                D, E = fma_forward.bucket(d), fma_forward.bucket(e)
+                args = f"{ctype}, {config.Br}, {config.Bc}, {D}, {E}, {config.stages}"
                 expected[args] = tiling.shared_memory_bytes(w, config)
     nvrtc.check_shared_layout(fma_forward.FORWARD, expected)
 

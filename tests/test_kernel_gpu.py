@@ -38,7 +38,8 @@ def to_device(x):
 DTYPES = _cupy_dtypes() if _device_count() else FLOAT_DTYPES
 
 
-@given(cases(dtypes=DTYPES, lengths=(1, 7, 31, 64, 113, 203, 300), head_dims=(1, 3, 17, 32, 59, 64, 111, 128, 200, 256)))
+@given(cases(dtypes=DTYPES, lengths=(1, 7, 31, 64, 113, 203, 300),
+             head_dims=(1, 3, 17, 32, 59, 64, 111, 128, 200, 256)))
 @settings(max_examples=150)
 def test_matches_reference(case):
     check_case(case, backend="cupy", to_device=to_device)

@@ -168,4 +168,5 @@ def test_occupancy():
     a100 = DeviceLimits.known("A100")
     w = Shape(F16, 64, 64)
     config = BlockConfig(64, 64)  # 40.75 KiB + 1 KiB reserved: 4 per 164 KiB SM
-    assert tiling.occupancy(w, config, a100) == min(4, 65536 // (fma_forward.FORWARD.registers_estimate(w, config) * 128))
+    registers = fma_forward.FORWARD.registers_estimate(w, config)
+    assert tiling.occupancy(w, config, a100) == min(4, 65536 // (registers * 128))

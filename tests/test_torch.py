@@ -178,7 +178,8 @@ def test_a_bert_encoder_with_a_padding_mask(calls):
     attention_mask[0, 15:] = 0  # right padding
     attention_mask[2, 9:] = 0
     keep = attention_mask.bool()
-    states = [model(input_ids=ids, attention_mask=attention_mask).last_hidden_state[keep] for model in (ours, reference)]
+    states = [model(input_ids=ids, attention_mask=attention_mask).last_hidden_state[keep]
+              for model in (ours, reference)]
     assert len(calls) == 2
     torch.testing.assert_close(states[0], states[1], rtol=1e-4, atol=1e-5)
 

@@ -73,7 +73,8 @@ def test_memcheck_refuses_to_run_without_asan_preloaded():
 
 
 # ---- the in-process memcheck pass ----------------------------------------------------------------------------
-needs_asan = pytest.mark.skipif(not simt.asan_loaded(), reason="needs AddressSanitizer preloaded: " + simt.MEMCHECK_HINT)
+needs_asan = pytest.mark.skipif(not simt.asan_loaded(),
+                                reason="needs AddressSanitizer preloaded: " + simt.MEMCHECK_HINT)
 
 
 @pytest.mark.memcheck
