@@ -25,7 +25,7 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="CI mode: --preset tiny on the CPU (seconds)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU exists")
     p.add_argument("--out", type=Path, help="folder for results.json, results.md and plots "
-                                            "(default bench/results/<date>/<preset>)")
+                                            "(default bench/results/attention/<preset>)")
     p.add_argument("--backends", help="comma-separated name prefixes, e.g. cuflash,torch-flash "
                                       "(default: all on a GPU; cuflash,naive on the CPU)")
     p.add_argument("--blocks", help="forced cuflash tilings, e.g. 128x64,64x64 (default: the preset's)")
@@ -55,7 +55,8 @@ def main(argv=None) -> int:
 
 
 def default_out(name: str) -> Path:
-    return ROOT / "bench" / "results" / datetime.date.today().isoformat() / name
+    """Where a run keeps its reports: one current folder per preset, rewritten in place (git keeps the history)."""
+    return ROOT / "bench" / "results" / "attention" / name
 
 
 def run_preset(args, argv) -> int:
