@@ -9,10 +9,12 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..devices import DeviceLimits
 from . import _build, _profile, _source
 from ._build import CompileError
 
-H100_SHARED = 232448  # bytes of dynamic shared memory a block may opt into on an H100/H200 (227 KiB)
+# Bytes of dynamic shared memory a block may opt into on an H100/H200 (227 KiB): the table of known GPUs' figure.
+H100_SHARED = DeviceLimits.known("H100").smem_per_block
 DEFAULT_DYNAMIC_SHARED = 49152  # what a kernel may use before opting in, as on every GPU since Volta
 DEFAULT_STACK = 256 * 1024
 _ORDERS = {"forward": 0, "reverse": 1}
