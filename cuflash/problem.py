@@ -20,7 +20,7 @@ SIGNATURE = "(n,d),(m,d),(m,e)->(n,e)"
 
 @dataclass(frozen=True)
 class Window:
-    """The one visibility rule on the Python side (kernels: visible_score in forward_common.cuh). Key j is visible to
+    """The one visibility rule on the Python side (kernels: Scores in kernels/block.cuh). Key j is visible to
     query i when i + (m - n) - left <= j <= i + (m - n) + right: the diagonal is aligned bottom-right, and a side
     of None is unbounded. causal=True is right = min(right, 0)."""
 

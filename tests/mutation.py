@@ -219,7 +219,7 @@ MUTANTS = (
       [("hi = i + ops.offset + right + 1 - j0;",
         "hi = i + ops.offset + right - j0;")],
       [FMA, MMA],
-      "both kernels hide each row's diagonal key (their shared visible_score)"),
+      "every kernel hides each row's diagonal key (their shared score step, Scores)"),
     m("unmasked-tail-kernels",
       [("max_ll(min_ll(hi, cols), 0)",
         "max_ll(min_ll(hi, 128), 0)")],
@@ -418,7 +418,7 @@ MUTANTS = (
     m("plan-kept-for-the-wrong-kind",
       [("return _plan(shape, device, block, kind)",
         'return _plan(shape, device, block, "forward")')],
-      [BWD_SIMT, "tests/test_tiling.py"],
+      ["tests/test_tiling.py::test_plans_are_kept_per_shape_device_block_and_kind", BWD_SIMT],
       "a kept plan answers for another kind of kernel: the backward launches the forward"),
     # ---- the tensor-core kernel's float32 and float64 products (mma_tile.cuh's FwdMath)
     m("mma-f32-two-passes",

@@ -170,3 +170,18 @@ def test_occupancy():
     config = BlockConfig(64, 64)  # 40.75 KiB + 1 KiB reserved: 4 per 164 KiB SM
     registers = fma_forward.FORWARD.registers_estimate(w, config)
     assert tiling.occupancy(w, config, a100) == min(4, 65536 // (registers * 128))
+
+
+def test_plans_are_kept_per_shape_device_block_and_kind():
+    """A loop of calls with the same shapes plans once: the same Plan comes back, for any spelling of a block."""
+    h100 = DeviceLimits.known("H100")
+    shape = Shape(np.float16, 64, 64, 512, 512, 8)
+    first = tiling.plan(shape, h100)
+    assert tiling.plan(shape, h100) is first
+    assert tiling.plan(Shape(np.float16, 64, 64, 512, 512, 8), h100) is first  # equal, not the same object
+    assert tiling.plan(shape, h100, [64, 64]) is tiling.plan(shape, h100, (np.int64(64), 64))
+    assert tiling.plan(shape, h100, kind="dq").family.kind == "dq"
+    assert tiling.plan(shape, DeviceLimits.known("A100")).shape == shape
+    assert tiling.backward_plans(shape, h100) is tiling.backward_plans(shape, h100)
+    with pytest.raises(ValueError, match="block must be a pair"):
+        tiling.plan(shape, h100, [64])
