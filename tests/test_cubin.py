@@ -224,7 +224,9 @@ def test_backward_shared_memory_model_matches_the_kernel():
         layouts = {}
         for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16)):
             for d, e in ((32, 32), (64, 59), (128, 100)):
-                for config in family.candidates(Shape(dtype, d, e))[0][:6]:
+                shape = Shape(dtype, d, e)
+                taken = [c for c in family.candidates(shape)[0] if not family.config_reasons(shape, c)]
+                for config in taken[:6]:  # the configurations the kernel takes (its struct asserts their shapes)
                     args = ", ".join(map(str, family.template_args(Shape(dtype, d, e), config, False)[:6]))
                     keys_own = "true" if family.kind == "dkdv" else "false"
                     layouts[f"{args}, {keys_own}, {config.stages}"] = \

@@ -43,8 +43,12 @@ constexpr int kMaxHeadDim = 128;  // D and E: the gradients stay whole in regist
 // terms).
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn, int Stages = 1>
 struct MmaBackwardShared {
-    static constexpr int LDD = mma::Padded<D>::ld, LDE = mma::Padded<E>::ld;
-    static constexpr int Swept = KeysOwn ? Br : Bc, LDW = Swept + 1;
+    static constexpr int Own = KeysOwn ? Bc : Br, Swept = KeysOwn ? Br : Bc, MT = Own / (16 * Warps);
+    static_assert(MT >= 1 && Own == 16 * MT * Warps, "the block's own rows are 16 x Warps x (m16 tiles per warp)");
+    static_assert(Swept % 16 == 0 && Swept <= mma_backward::kMaxSwept, "the swept tile is a multiple of 16 up to 128");
+    static_assert(D % 32 == 0 && E % 32 == 0 && D <= mma_backward::kMaxHeadDim && E <= mma_backward::kMaxHeadDim,
+                  "head-dim buckets are multiples of 32");
+    static constexpr int LDD = mma::Padded<D>::ld, LDE = mma::Padded<E>::ld, LDW = Swept + 1;
     static constexpr int QStages = KeysOwn ? Stages : 1, KStages = KeysOwn ? 1 : Stages;
     static constexpr size_t q_offset = 0;
     static constexpr size_t do_offset = q_offset + QStages * align16(sizeof(T) * Br * LDD);
@@ -206,12 +210,8 @@ __device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visi
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
 __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p) {
-    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, true, Stages>;
-    constexpr int Threads = Warps * 32, MT = Bc / (16 * Warps), NT = Br / 8, DT = D / 8, ET = E / 8;
-    static_assert(MT >= 1 && Bc == 16 * MT * Warps, "Bc must be 16 x Warps x (m16 tiles per warp)");
-    static_assert(Br % 16 == 0 && Br <= mma_backward::kMaxSwept, "Br must be a multiple of 16 up to 128");
-    static_assert(D % 32 == 0 && E % 32 == 0 && D <= mma_backward::kMaxHeadDim && E <= mma_backward::kMaxHeadDim,
-                  "head-dim buckets are multiples of 32");
+    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, true, Stages>;  // its static_asserts: the tile shapes
+    constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Br / 8, DT = D / 8, ET = E / 8;
 
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
@@ -337,12 +337,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
 __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
-    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false, Stages>;
-    constexpr int Threads = Warps * 32, MT = Br / (16 * Warps), NT = Bc / 8, DT = D / 8;
-    static_assert(MT >= 1 && Br == 16 * MT * Warps, "Br must be 16 x Warps x (m16 tiles per warp)");
-    static_assert(Bc % 16 == 0 && Bc <= mma_backward::kMaxSwept, "Bc must be a multiple of 16 up to 128");
-    static_assert(D % 32 == 0 && E % 32 == 0 && D <= mma_backward::kMaxHeadDim && E <= mma_backward::kMaxHeadDim,
-                  "head-dim buckets are multiples of 32");
+    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false, Stages>;  // its static_asserts: the tile shapes
+    constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Bc / 8, DT = D / 8;
 
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
