@@ -278,7 +278,7 @@ MUTANTS = (
     m("fma-prefetch-into-the-tile-in-use",
       [("load_kv_async(j0 + Bc, stage ^ 1);",
         "load_kv_async(j0 + Bc, stage);",
-        "fwd(const Params")],
+        "struct FwdBlock {")],
       [FMA],
       "two stages: the next tile's K and V copied over the tile being computed"),
     m("fma-no-cp-async-wait",

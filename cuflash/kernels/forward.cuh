@@ -35,66 +35,68 @@ struct ForwardShared {
     static constexpr size_t bytes = p_offset + align16(sizeof(Acc) * Br * LDP);
 };
 
-template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, bool Split = false, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) fwd(const Params<T, typename OutOf<T, Split>::type> p) {
+// One block of the CUDA-core forward, its steps in the order they run (fwd below): Q_i and the first key tile in
+// flight; per key tile its K_j and V_j, S = Q_i K_j^T, the score step, the online softmax into P, O_i += P V_j; the
+// epilogue. (Nothing refers to the block's own members by address: the compiler keeps all of it in registers.)
+template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced, bool Split, int Stages>
+struct FwdBlock {
     using Acc = typename AccOf<T>::type;
+    using O = typename OutOf<T, Split>::type;
     using Smem = ForwardShared<T, Br, Bc, D, E, Stages>;
-    constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
-    constexpr int RPT = Br / RG, CPT = Bc / TC, EPT = E / TC;  // rows, score columns, output columns per thread
+    static constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
+    static constexpr int RPT = Br / RG, CPT = Bc / TC, EPT = E / TC;  // rows, score columns, output columns a thread
     static_assert(Br % RG == 0 && Bc % TC == 0 && E % TC == 0 && D % TC == 0, "unsupported tile shape");
     static_assert(CPT <= 32, "hidden-key bits must fit one word");
     static_assert(Stages == 1 || (Stages == 2 && !Sliced), "K_j and V_j double-buffered only whole (d within D)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     static_assert(Stages == 1, "cp.async (two stages) needs compute capability 8.0 or newer");
 #endif
+    using Softmax = OnlineSoftmax<Acc, RPT, TC, false>;  // a row's 16 lanes
+    using ScoreTile = RowTile<Acc, RPT, CPT>;
 
-    extern __shared__ __align__(16) unsigned char smem[];
-    T* Q_s = reinterpret_cast<T*>(smem + Smem::q_offset);
-    T* K_s = reinterpret_cast<T*>(smem + Smem::k_offset);
-    T* V_s = reinterpret_cast<T*>(smem + Smem::v_offset);
-    Acc* P_s = reinterpret_cast<Acc*>(smem + Smem::p_offset);
+    const Params<T, O>& p;
+    const BlockOperands ops;
+    const TileSource<T> Q, K, V;
+    T* const Q_s;
+    T* const K_s;
+    T* const V_s;
+    Acc* const P_s;
+    const int tx, ty;
+    Softmax softmax;
+    RowTile<Acc, RPT, EPT> O_i;  // unnormalized
 
-    if (!in_batch(p)) return;
-    const BlockOperands ops = query_block<Br, Split>(p);
-    const Scores<Acc> scores = Scores<Acc>::of(ops, p, p.n);
-    const TileSource<T> Q = ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
-                        K = ops.source(p.k, kK, p.d, p.flags, kVectorK),
-                        V = ops.source(p.v, kV, p.e, p.flags, kVectorV);
-    const long long i0 = ops.queries.begin;
-    const int rows = ops.queries.size();
-    const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
+    __device__ __forceinline__ FwdBlock(const Params<T, O>& params, unsigned char* smem)
+        : p(params), ops(query_block<Br, Split>(p)), Q(ops.source(p.q, kQ, p.d, p.flags, kVectorQ)),
+          K(ops.source(p.k, kK, p.d, p.flags, kVectorK)), V(ops.source(p.v, kV, p.e, p.flags, kVectorV)),
+          Q_s(reinterpret_cast<T*>(smem + Smem::q_offset)), K_s(reinterpret_cast<T*>(smem + Smem::k_offset)),
+          V_s(reinterpret_cast<T*>(smem + Smem::v_offset)), P_s(reinterpret_cast<Acc*>(smem + Smem::p_offset)),
+          tx(threadIdx.x % TC), ty(threadIdx.x / TC) {}
 
     // With d <= D (Sliced false), Q_i is loaded once, here. A wider d is swept in D-wide slices, and Q_i's slices
     // are reloaded with every key tile (from L2, mostly). A compile-time choice: the slice loop costs registers.
-    const int slices = Sliced ? (int)((p.d + D - 1) / D) : 1;
-    if constexpr (!Sliced) load_rows<T, Br, D, Smem::LDQ, Threads>(Q_s, Q, i0, rows);
-
-    OnlineSoftmax<Acc, RPT, TC, false> softmax;
-    softmax.start();
-    RowTile<Acc, RPT, EPT> O_i;
+    // With two stages the first key tile's copies go out too.
+    __device__ __forceinline__ void start() {
+        if constexpr (!Sliced) load_rows<T, Br, D, Smem::LDQ, Threads>(Q_s, Q, ops.queries.begin, ops.queries.size());
+        softmax.start();
 #pragma unroll
-    for (int a = 0; a < RPT; ++a)
+        for (int a = 0; a < RPT; ++a)
 #pragma unroll
-        for (int c = 0; c < EPT; ++c) O_i.x[a][c] = Acc(0);
+            for (int c = 0; c < EPT; ++c) O_i.x[a][c] = Acc(0);
+        if constexpr (Stages == 2)
+            if (ops.keys.begin < ops.keys.end) load_kv_async(ops.keys.begin, 0);
+    }
 
     // Two stages: K_j and V_j of tile j + 1 are copied (cp.async) into the other stage while tile j is computed.
-    const auto load_kv_async = [&](long long j0, int stage) {
+    __device__ __forceinline__ void load_kv_async(long long j0, int stage) {
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         load_rows_async<T, Bc, D, Smem::LDK, Threads, true>(K_s + stage * Bc * Smem::LDK, K, j0, cols);
         load_rows_async<T, Bc, E, Smem::LDV, Threads, true>(V_s + stage * Bc * Smem::LDV, V, j0, cols);
         ptx::cp_async_commit();
-    };
-    if constexpr (Stages == 2)
-        if (ops.keys.begin < ops.keys.end) load_kv_async(ops.keys.begin, 0);
+    }
 
-    int stage = 0;  // K_j's and V_j's buffer
-    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc, stage = Stages == 2 ? stage ^ 1 : 0) {
-        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        const T* const K_j = K_s + stage * Bc * Smem::LDK;
-        const T* const V_j = V_s + stage * Bc * Smem::LDV;
-
-        // S_ij = q_i . k_j (scaled into the log2 domain below), one D-wide slice of the head dimension at a time.
-        RowTile<Acc, RPT, CPT> S;
+    // S = Q_i K_j^T for the key tile at j0 (in `stage`), one D-wide slice of the head dimension at a time; its K_j
+    // and V_j have landed when it returns.
+    __device__ __forceinline__ void scores(ScoreTile& S, long long j0, int cols, int stage) {
 #pragma unroll
         for (int a = 0; a < RPT; ++a)
 #pragma unroll
@@ -103,25 +105,29 @@ __global__ void __launch_bounds__(Warps * 32, 1) fwd(const Params<T, typename Ou
             ptx::cp_async_wait<0>();
             __syncthreads();  // tile j has landed for every thread, and every thread is done with tile j - 1 and P
             if (j0 + Bc < ops.keys.end) load_kv_async(j0 + Bc, stage ^ 1);
-            tile_product<RPT, CPT, RG, Smem::LDQ, Smem::LDK>(S.x, Q_s, K_j, (int)p.d, ty, tx);
+            tile_product<RPT, CPT, RG, Smem::LDQ, Smem::LDK>(S.x, Q_s, K_s + stage * Bc * Smem::LDK, (int)p.d, ty,
+                                                             tx);
         } else {
+            const int slices = Sliced ? (int)((p.d + D - 1) / D) : 1;
             for (int slice = 0; slice < slices; ++slice) {
                 const long long x0 = (long long)slice * D;
                 const TileSource<T> Q_x{Q.at + x0 * Q.col, Q.row, Q.col, (int)min_ll(D, p.d - x0), Q.vector};
                 const TileSource<T> K_x{K.at + x0 * K.col, K.row, K.col, Q_x.width, K.vector};
-                __syncthreads();  // the previous slice's Q and K (at slice 0: the previous tile's K, V and P) are read
-                if constexpr (Sliced) load_rows<T, Br, D, Smem::LDQ, Threads>(Q_s, Q_x, i0, rows);
+                __syncthreads();  // the previous slice's Q and K (at slice 0: the last tile's K, V and P) are read
+                if constexpr (Sliced)
+                    load_rows<T, Br, D, Smem::LDQ, Threads>(Q_s, Q_x, ops.queries.begin, ops.queries.size());
                 load_rows<T, Bc, D, Smem::LDK, Threads>(K_s, K_x, j0, cols);
                 if (slice == 0) load_rows<T, Bc, E, Smem::LDV, Threads>(V_s, V, j0, cols);
                 __syncthreads();
                 tile_product<RPT, CPT, RG, Smem::LDQ, Smem::LDK>(S.x, Q_s, K_s, Q_x.width, ty, tx);
             }
         }
+    }
 
-        // The score step; a hidden key's score becomes -inf by selection and its bit is remembered. A full tile
-        // without bias is scaled and nothing else (its rows past n are computed, never stored).
-        const bool partial = scores.partial(i0, rows, j0, cols, Bc);
-        unsigned hidden[RPT];
+    // The score step; a hidden key's score becomes -inf by selection and its bit is remembered. A full tile
+    // without bias is scaled and nothing else (its rows past n are computed, never stored).
+    __device__ __forceinline__ void score_step(ScoreTile& S, unsigned (&hidden)[RPT], long long j0, int cols,
+                                               bool partial) const {
         if (!partial && !ops.has_bias) {
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
@@ -129,23 +135,26 @@ __global__ void __launch_bounds__(Warps * 32, 1) fwd(const Params<T, typename Ou
 #pragma unroll
                 for (int c = 0; c < CPT; ++c) S.x[a][c] *= p.scale_log2;
             }
-        } else {
+            return;
+        }
+        const Scores<Acc> step = Scores<Acc>::of(ops, p, p.n);
 #pragma unroll
-            for (int a = 0; a < RPT; ++a) {
-                hidden[a] = 0;
-                const long long i = i0 + ty + RG * a;
+        for (int a = 0; a < RPT; ++a) {
+            hidden[a] = 0;
+            const long long i = ops.queries.begin + ty + RG * a;
 #pragma unroll
-                for (int c = 0; c < CPT; ++c) {
-                    const int jj = tx + TC * c;
-                    bool visible;
-                    S.x[a][c] = scores(S.x[a][c], i, j0 + jj, jj, cols, partial, visible);
-                    if (!visible) hidden[a] |= 1u << c;
-                }
+            for (int c = 0; c < CPT; ++c) {
+                const int jj = tx + TC * c;
+                bool visible;
+                S.x[a][c] = step(S.x[a][c], i, j0 + jj, jj, cols, partial, visible);
+                if (!visible) hidden[a] |= 1u << c;
             }
         }
+    }
 
-        // The online softmax: rows whose max grew rescale l_i and O_i, then P = exp2(S - m_i) goes to shared memory
-        // (a hidden key's as hidden_p) to be read by rows.
+    // The online softmax: rows whose max grew rescale l_i and O_i, then P = exp2(S - m_i) goes to shared memory (a
+    // hidden key's as hidden_p) to be read by rows.
+    __device__ __forceinline__ void probabilities(ScoreTile& S, const unsigned (&hidden)[RPT]) {
         Acc m_old[RPT];
         if (softmax.raise_max(S, Acc(1), m_old)) softmax.rescale(m_old, O_i);
         softmax.exponentiate(S, Acc(1));
@@ -155,29 +164,56 @@ __global__ void __launch_bounds__(Warps * 32, 1) fwd(const Params<T, typename Ou
             for (int c = 0; c < CPT; ++c)
                 P_s[(ty + RG * a) * Smem::LDP + tx + TC * c] = (hidden[a] >> c & 1u) ? hidden_p<Acc>() : S.x[a][c];
         __syncthreads();
+    }
 
-        // O_i += P_ij V_j, a chunk of each P row at a time, V_j's rows in each lane's runs of columns; on partial
-        // tiles hidden keys are skipped by selection (keys past cols are hidden there, and their V rows zero).
-        weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDV>(O_i.x, P_s, P_s, V_j, cols, partial, ty, tx);
+    // One key tile: S, the score step, P, then O_i += P_ij V_j, a chunk of each P row at a time, V_j's rows in each
+    // lane's runs of columns; on partial tiles hidden keys are skipped by selection (keys past cols are hidden
+    // there, and their V rows zero).
+    __device__ __forceinline__ void key_tile(long long j0, int stage) {
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        ScoreTile S;
+        scores(S, j0, cols, stage);
+        const bool partial = Scores<Acc>::of(ops, p, p.n).partial(ops.queries.begin, ops.queries.size(), j0, cols, Bc);
+        unsigned hidden[RPT];
+        score_step(S, hidden, j0, cols, partial);
+        probabilities(S, hidden);
+        weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDV>(O_i.x, P_s, P_s, V_s + stage * Bc * Smem::LDV, cols,
+                                                          partial, ty, tx);
     }
 
     // O_i / l_i and the lse of each row (a row that saw no key gives 0 and -inf).
-    typename OnlineSoftmax<Acc, RPT, TC, false>::Row result[RPT];
+    __device__ __forceinline__ void epilogue() const {
+        typename Softmax::Row result[RPT];
 #pragma unroll
-    for (int a = 0; a < RPT; ++a) result[a] = softmax.finish(a);  // every lane: the row's lanes add up l_i
-    using O = typename OutOf<T, Split>::type;
+        for (int a = 0; a < RPT; ++a) result[a] = softmax.finish(a);  // every lane: the row's lanes add up l_i
 #pragma unroll
-    for (int a = 0; a < RPT; ++a) {
-        const int r = ty + RG * a;
-        if (r >= rows) continue;
+        for (int a = 0; a < RPT; ++a) {
+            const int r = ty + RG * a;
+            if (r >= ops.queries.size()) continue;
+            const long long i = ops.queries.begin + r;
 #pragma unroll
-        for (int c = 0; c < EPT; ++c) {
-            const int col = LaneColumns<T, EPT>::column(tx, c);  // the runs weighted_rows reads
-            if (col < p.e) ops.row_of(p.out, kOut, i0 + r)[col * ops.strides(kOut).col] =
-                               from_acc<O>(O_i.x[a][c] * result[a].inv_l);
+            for (int c = 0; c < EPT; ++c) {
+                const int col = LaneColumns<T, EPT>::column(tx, c);  // the runs weighted_rows reads
+                if (col < p.e) {
+                    O* const row = ops.row_of(p.out, kOut, i);
+                    row[col * ops.strides(kOut).col] = from_acc<O>(O_i.x[a][c] * result[a].inv_l);
+                }
+            }
+            if ((p.flags & kWantLse) && tx == 0) *ops.row_of(p.lse, kLse, i) = result[a].lse;
         }
-        if ((p.flags & kWantLse) && tx == 0) *ops.row_of(p.lse, kLse, i0 + r) = result[a].lse;
     }
+};
+
+template <typename T, int Br, int Bc, int D, int E, int Warps, bool Sliced = false, bool Split = false, int Stages = 1>
+__global__ void __launch_bounds__(Warps * 32, 1) fwd(const Params<T, typename OutOf<T, Split>::type> p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    if (!in_batch(p)) return;
+    FwdBlock<T, Br, Bc, D, E, Warps, Sliced, Split, Stages> block(p, smem);
+    block.start();
+    int stage = 0;  // K_j's and V_j's buffer
+    for (long long j0 = block.ops.keys.begin; j0 < block.ops.keys.end; j0 += Bc, stage = Stages == 2 ? stage ^ 1 : 0)
+        block.key_tile(j0, stage);
+    block.epilogue();
 }
 
 }  // namespace cuflash
