@@ -23,7 +23,7 @@ import pytest
 
 import cuflash
 import cuflash.simt
-from cuflash import api, launch, tiling
+from cuflash import api, kernels, launch, tiling
 from cuflash.backends import cupy as cupy_backend
 from harness import check_case
 from reference import assert_accurate
@@ -372,8 +372,9 @@ class RawKernel:
         fn = self._per_device.get(dev)
         if fn is None:
             m = self._module
-            sim = cuflash.simt.RawModule(code=m.code, options=m.options, name_expressions=list(m.name_expressions),
-                                         max_dynamic_shared=H100.smem_per_block, filename="cuflash.cu")
+            sim = cuflash.simt.RawModule(code=m.code, options=emulator_options(m.options),
+                                         name_expressions=list(m.name_expressions),
+                                         max_dynamic_shared=H100.smem_per_block, filename=kernel_file(m.code))
             fn = self._per_device[dev] = sim.get_function(self.name)
         return fn
 
@@ -398,6 +399,18 @@ class RawKernel:
         converted = tuple(_pointer(a, dev) for a in args)
         _State.launches.append((self.name, grid, block, shared_mem, dev))
         self.kernel(grid, block, converted, shared_mem=operator.index(shared_mem))
+
+
+def emulator_options(options):
+    """NVRTC's options as the emulator takes them, without the -I to CUDA's headers (it has its own stand-ins,
+    found first): the same build as the simt backend's, so the kernels other tests built serve here too."""
+    return tuple(o for o in options if not o.startswith("-I"))
+
+
+def kernel_file(code):
+    """The kernel file whose assembled source `code` is (the name the simt backend builds it under)."""
+    return next((name for name in ("forward.cuh", "forward_mma.cuh", "backward.cuh", "backward_mma.cuh")
+                 if kernels.source(name) == code), "cuflash.cu")
 
 
 class RawModule:
