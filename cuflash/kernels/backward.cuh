@@ -247,6 +247,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
     const BlockOperands ops = key_block<Bc>(p);  // the queries that see its keys: the swept tiles
     const TileSource<T> Q = ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
                         dO = ops.source(p.dout, kDout, p.e, p.flags, kVectorDout);
+    // Rows past the last swept tile (i >= ops.queries.end) count as rows past n: hidden, whatever the tile.
+    const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end);
     const RowTerm<Acc>* const terms_b = row_terms_of(p.terms, ops.base);
     const long long j0 = ops.keys.begin;
     const int keys = ops.keys.size();
@@ -293,8 +295,6 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
         tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.K, swept.Q, (int)p.d, ty, tx);
         tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.V, swept.dO, (int)p.e, ty, tx);
 
-        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-        const Scores<Acc> scores = Scores<Acc>::of(ops, p, i0 + rows);
         const bool partial = scores.partial(i0, rows, j0, keys, Bc);
         auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
 #pragma unroll

@@ -274,9 +274,10 @@ __device__ __forceinline__ int chunk_row(int idx) {
         return r;
 }
 
+// src (global memory) and dst (shared memory) never alias: __restrict__ lets the loads take the read-only path.
 template <typename T, int Rows, int Cols, int LD, int Threads>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride, long long col_stride,
-                                          int rows, int cols, bool vector) {
+__device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restrict__ src, long long row_stride,
+                                          long long col_stride, int rows, int cols, bool vector) {
     const T zero = from_acc<T>(0);
     if (vector) {  // the launch checked: col_stride == 1 and every row start is 16-byte aligned
         constexpr int V = 16 / sizeof(T);
