@@ -6,16 +6,17 @@ It knows NumPy and nothing of kernels: it turns the arguments into one Problem a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import numbers
 
-from typing import Any, Literal, Optional, Tuple, Union, overload
+from typing import Any, Callable, Literal, Optional, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import backends
+from . import backends, mods
 from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
 from .family import BlockConfig, check_precision
 from .problem import SIGNATURE, Problem, Window, default_scale
@@ -28,26 +29,33 @@ WindowSides = Tuple[Optional[int], Optional[int]]
 Scalar = Union[float, np.number, np.ndarray]  # a Python or NumPy real number, or a 0-d array
 Flag = Union[bool, np.bool_]
 Block = Union[Tuple[int, int], str, "BlockConfig", None]
+ScoreMod = Callable[..., Any]  # score_mod(score, *batch_indices, i, j) -> score
+MaskMod = Callable[..., Any]  # mask_mod(*batch_indices, i, j) -> bool
 
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
-              out: Optional[Array] = None, return_lse: Literal[False] = False, backend: Optional[str] = None,
-              block: Block = None, precision: Optional[str] = None) -> Array: ...
+              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
+              sinks: Optional[ArrayLike] = None, out: Optional[Array] = None, return_lse: Literal[False] = False,
+              backend: Optional[str] = None, block: Block = None, precision: Optional[str] = None) -> Array: ...
 
 
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
-              out: Optional[Array] = None, return_lse: Union[Literal[True], np.bool_], backend: Optional[str] = None,
-              block: Block = None, precision: Optional[str] = None) -> Tuple[Array, Array]: ...
+              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
+              sinks: Optional[ArrayLike] = None, out: Optional[Array] = None,
+              return_lse: Union[Literal[True], np.bool_], backend: Optional[str] = None, block: Block = None,
+              precision: Optional[str] = None) -> Tuple[Array, Array]: ...
 
 
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
-              out: Optional[Array] = None, return_lse: Flag = False, backend: Optional[str] = None,
-              block: Block = None, precision: Optional[str] = None) -> Union[Array, Tuple[Array, Array]]:
+              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
+              sinks: Optional[ArrayLike] = None, out: Optional[Array] = None, return_lse: Flag = False,
+              backend: Optional[str] = None, block: Block = None,
+              precision: Optional[str] = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
 
     A generalized ufunc with signature (n,d),(m,d),(m,e)->(n,e): leading dimensions of q, k, v, mask and bias
@@ -60,6 +68,14 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
         i + (m - n) - left <= j <= i + (m - n) + right. With causal=True, right is min(right, 0).
     mask: bool array broadcastable to (*batch, n, m); True means attend.
     bias: real array broadcastable to (*batch, n, m), added to the scaled scores.
+    score_mod: a function score_mod(score, *idx, i, j) -> score of the scaled score (after bias, in the
+        accumulation type), one integer index per batch axis, the query row i and the key j (for (B, H, n, d)
+        inputs: score_mod(score, b, h, i, j)); it may use Python's operators and numbers, NumPy ufuncs, np.where,
+        np.clip, .astype, and index arrays it closes over (cuflash.mods has ALiBi, soft-capping and more).
+    mask_mod: a function mask_mod(*idx, i, j) -> bool, ANDed with mask=, causal= and window=: key j is seen by
+        query i only where it is True. Both are traced once per call into an expression (cuflash.mods).
+    sinks: real array broadcastable to (*batch,): one logit per batch item that joins every row's softmax
+        denominator and carries no value (attention sinks); lse includes it.
     out: array of exactly the result's shape; the result is cast to its dtype with same-kind casting.
     return_lse: also return lse (*batch, n), the natural log of the sum of exp of each row's final scores
         (float32, or float64 when computing in float64); -inf for a row with no visible key.
@@ -73,15 +89,19 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
 
     Returns out, or (out, lse) with return_lse=True.
     """
-    xp = array_module(q, k, v, mask, bias, out)
+    xp = array_module(q, k, v, mask, bias, out, sinks=sinks)
     # CuPy allocates and launches on the current device: make it the operands' one for casts, out and lse.
     with device_of(xp, (q, k, v, mask, bias, out)):
-        return _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block, precision)
+        patterns = Patterns(score_mod, mask_mod, sinks)
+        return _attention(xp, q, k, v, scale, causal, window, mask, bias, patterns, out, return_lse, backend, block,
+                          precision)
 
 
-def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, backend, block, precision):
+def _attention(xp, q, k, v, scale, causal, window, mask, bias, patterns, out, return_lse, backend, block,
+               precision):
     return_lse = check_flag(return_lse, "return_lse")
-    problem, (q, k, v, mask, bias) = make_problem(xp, q, k, v, scale, causal, window, mask, bias, (out,), precision)
+    problem, (q, k, v, mask, bias) = make_problem(xp, q, k, v, scale, causal, window, mask, bias, (out,), precision,
+                                                  patterns)
     batch, n = problem.batch, problem.n
     runner = backends.get(backend, xp)
     result, target = output_for(problem, out, (q, k, v, mask, bias))
@@ -96,7 +116,9 @@ def _attention(xp, q, k, v, scale, causal, window, mask, bias, out, return_lse, 
 
 def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: ArrayLike, lse: ArrayLike, /,
                        *, scale: Optional[Scalar] = None, causal: Flag = False, window: Optional[WindowSides] = None,
-                       mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None, bias_grad: Flag = False,
+                       mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
+                       score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
+                       sinks: Optional[ArrayLike] = None, bias_grad: Flag = False,
                        backend: Optional[str] = None, block: Block = None,
                        precision: Optional[str] = None) -> Tuple[Array, ...]:
     """The gradients (dq, dk, dv), and dbias with bias_grad=True, of attention's result given dout, the gradient
@@ -108,18 +130,19 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     batch. Gradients have the forward's result dtype; 16- and 32-bit inputs accumulate in float32, float64 in
     float64. Hidden keys (causal, window, mask, -inf bias) get exactly zero gradient, and a NaN or inf in a
     hidden key or value never reaches a gradient. Deterministic: the same inputs give the same bits. precision:
-    as attention's, for the backward's kernels."""
-    xp = array_module(q, k, v, mask, bias, out, lse, dout)
+    as attention's, for the backward's kernels. score_mod's derivative with respect to the score is traced from
+    the same function. With sinks=, dsinks (the sinks' own shape) follows the other gradients."""
+    xp = array_module(q, k, v, mask, bias, out, lse, dout, sinks=sinks)
     with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):
-        return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, bias_grad,
-                                   backend, block, precision)
+        return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias,
+                                   Patterns(score_mod, mask_mod, sinks), bias_grad, backend, block, precision)
 
 
-def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, bias_grad, backend,
-                        block, precision):
+def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, patterns, bias_grad,
+                        backend, block, precision):
     bias_grad = check_flag(bias_grad, "bias_grad")
     saved = [as_array(x, xp, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse"))]
-    problem, operands = make_problem(xp, q, k, v, scale, causal, window, mask, bias, saved, precision)
+    problem, operands = make_problem(xp, q, k, v, scale, causal, window, mask, bias, saved, precision, patterns)
     if bias_grad and problem.bias is None:
         raise ValueError(f"{NAME}_backward: bias_grad=True asks for the gradient of the bias, but no bias= was "
                          f"given; pass the forward call's bias")
@@ -131,7 +154,22 @@ def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask
     if not problem.empty:
         runner.run_backward(problem, dout, out, lse, grads + [None] * (4 - len(grads)), block=block)
     q, k, v, _, bias = operands
-    return tuple(sum_to(g, x.shape).astype(problem.dtype, copy=False) for g, x in zip(grads, (q, k, v, bias)))
+    result = tuple(sum_to(g, x.shape).astype(problem.dtype, copy=False) for g, x in zip(grads, (q, k, v, bias)))
+    if problem.sinks is not None:
+        dsinks = sum_to(sinks_gradient(problem, dout, out, lse), patterns.sinks.shape)
+        result += (dsinks.astype(problem.dtype, copy=False),)
+    return result
+
+
+def sinks_gradient(problem, dout, out, lse):
+    """dL/dsink of each batch item: the sink takes exp(sink - lse_i) of row i's probability and gives no value, so
+    dL/dsink = -sum_i exp(sink - lse_i) D_i with D_i = rowsum(dO_i * O_i). In the accumulation type, (*batch,)."""
+    xp, acc = problem.xp, problem.acc_dtype
+    delta = problem.delta(dout, out)
+    lse = lse.astype(acc, copy=False)
+    with np.errstate(invalid="ignore", over="ignore"):
+        share = xp.where(lse == -np.inf, 0, xp.exp(problem.sinks[..., None] - lse))
+        return -(share * delta).sum(axis=-1)
 
 
 def check_saved(problem, dout, out, lse):
@@ -157,10 +195,20 @@ def sum_to(x, shape):
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), precision=None):
+@dataclasses.dataclass
+class Patterns:
+    """score_mod=, mask_mod= and sinks= as the caller gave them (checked by make_problem)."""
+
+    score_mod: Any = None
+    mask_mod: Any = None
+    sinks: Any = None
+
+
+def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), precision=None, patterns=None):
     """The Problem of a call's arguments, checked by NumPy's rules, and the operands as arrays (their own shapes:
     the backward sums each gradient back to them). others: further arrays whose dtypes take part in the
-    bfloat16 check (out=, the backward's saved tensors)."""
+    bfloat16 check (out=, the backward's saved tensors). patterns: score_mod=, mask_mod= and sinks= (traced here,
+    sinks made an array of xp in place)."""
     q, k, v = (as_array(x, xp, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     mask = None if mask is None else as_array(mask, xp, "mask")
     bias = None if bias is None else as_array(bias, xp, "bias")
@@ -180,8 +228,34 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), prec
         xp=xp,
         bias_hides=bias_may_hide(bias, xp),
         precision=check_precision(precision, dtype, NAME),
+        **pattern_fields(patterns, batch, dtype, xp),
     )
     return problem, (q, k, v, mask, bias)
+
+
+def pattern_fields(patterns, batch, dtype, xp):
+    """The Problem's score_mod, mask_mod (traced for the batch's axes) and sinks (broadcast to the batch, in the
+    accumulation type)."""
+    if patterns is None:
+        return {}
+    fields = {name: None if fn is None else mods.trace(fn, name.split("_")[0], len(batch))
+              for name, fn in (("score_mod", patterns.score_mod), ("mask_mod", patterns.mask_mod))}
+    if patterns.sinks is not None:
+        sinks = as_array(patterns.sinks, xp, "sinks")
+        patterns.sinks = sinks
+        if not (is_real_float(sinks.dtype) or sinks.dtype.kind in "iu"):
+            raise TypeError(f"{NAME}: sinks must be a real array (one logit per batch item), got "
+                            f"{describe(sinks.dtype)}")
+        try:
+            shape = np.broadcast_shapes(tuple(sinks.shape), batch)
+        except ValueError:
+            shape = None
+        if shape != batch:
+            raise ValueError(f"{NAME}: sinks of shape {tuple(sinks.shape)} does not broadcast to the batch shape "
+                             f"{batch}; give one logit per batch item (for (B, H, n, d) inputs: shape (H,) or "
+                             f"(B, H))")
+        fields["sinks"] = xp.broadcast_to(sinks.astype(acc_dtype_of(dtype), copy=False), batch)
+    return fields
 
 
 def core_sizes(q, k, v, mask, bias):
@@ -199,10 +273,11 @@ def core_sizes(q, k, v, mask, bias):
 # Array module and operands
 
 
-def array_module(*operands):
+def array_module(*operands, sinks=None):
     """numpy or cupy, from the operands that are arrays; mixing the two is a TypeError."""
     modules = {}
-    for name, x in zip(("q", "k", "v", "mask", "bias", "out", "lse", "dout"), operands):
+    named = tuple(zip(("q", "k", "v", "mask", "bias", "out", "lse", "dout"), operands)) + (("sinks", sinks),)
+    for name, x in named:
         if x is None:
             continue
         modules.setdefault(module_name(x), []).append(name)

@@ -1,6 +1,6 @@
 """The blocked algorithm on an array library's matmul: the seed's tiled online softmax, vectorized over batch
 items and query rows (the numpy backend), and FlashAttention-2's blocked backward (the numpy backend's, and the
-GPU backends' where their kernels do not serve a shape: written in the arrays' module, problem.xp).
+GPU backends' where their kernels do not serve a problem: written in the arrays' module, problem.xp).
 
 Each step holds a row tile of R query rows (from one or more batch items) and a key tile of Bc keys; the scores
 of that tile are the largest thing it allocates, so the working set is bounded by WORKING_SET_BYTES whatever
@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from . import mods
 from .tiling import block_pair
 
 WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
@@ -21,13 +22,27 @@ TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibili
 BACKWARD_TEMPS_PER_SCORE = 6  # the backward's: S, P, dO V^T, dS, the visibility and a where() result
 
 
+class Patterns:
+    """What one run evaluates of the problem's mods: each bound to its tables (mods.Bound), or None."""
+
+    def __init__(self, problem):
+        acc, xp = problem.acc_dtype, problem.xp
+        self.score_mod = None if problem.score_mod is None else mods.Bound(problem.score_mod, xp, acc)
+        self.mask_mod = None if problem.mask_mod is None else mods.Bound(problem.mask_mod, xp, acc)
+
+    @property
+    def any(self) -> bool:
+        return self.score_mod is not None or self.mask_mod is not None
+
+
 def run(problem, out, lse, block=None):
     rows_per_step, bc = tile_sizes(problem, block)
     # A causal or windowed problem's row tiles are no taller than a key tile: the key tiles its window hides
     # are skipped, and few tiles straddle its edge.
     item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
+    patterns = Patterns(problem)
     for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
-        o, row_lse = attend_rows(problem, index, i0, i1, bc)
+        o, row_lse = attend_rows(problem, patterns, index, i0, i1, bc)
         out[index + (slice(i0, i1),)] = o.astype(problem.dtype, copy=False)
         if lse is not None:
             lse[index + (slice(i0, i1),)] = row_lse
@@ -77,34 +92,61 @@ def row_tiles(batch, n, rows_per_step, item_rows=None):
             yield outer + (slice(b0, min(batch[split - 1], b0 + chunk)),) + whole, 0, n
 
 
-def attend_rows(problem, index, i0, i1, bc):
+def attend_rows(problem, patterns, index, i0, i1, bc):
     """Online softmax over the key tiles for query rows [i0, i1) of the batch items selected by index.
 
     Returns O_i / l_i in acc dtype and the rows' lse."""
-    acc = problem.acc_dtype
+    xp, acc = problem.xp, problem.acc_dtype
     rows = index + (slice(i0, i1),)
     q_i = problem.q[rows].astype(acc)  # a copy: scaled in place, so the scores need no pass of their own
     q_i *= acc.type(problem.scale)
     shape = q_i.shape[:-1]
-    m_i = np.full(shape, -np.inf, dtype=acc)  # running max of the scores
-    l_i = np.zeros(shape, dtype=acc)  # running sum of exp(score - m_i)
-    o_i = np.zeros(shape + (problem.e,), dtype=acc)  # unnormalized output
+    m_i, l_i = softmax_start(problem, index, shape)
+    o_i = xp.zeros(shape + (problem.e,), dtype=acc)  # unnormalized output
     j_start, j_stop = problem.key_range(i0, i1)
     for j0 in range(j_start, j_stop, bc):
         j1 = min(j_stop, j0 + bc)
-        s_ij, visible = tile_scores(problem, index, q_i, i0, i1, j0, j1)
+        s_ij, visible, _ = tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1)
         m_i, l_i, o_i = online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1)
     nothing_visible = l_i == 0  # fully masked rows give 0 and lse -inf; NaN rows stay NaN
     with np.errstate(divide="ignore", invalid="ignore"):
-        o = np.where(nothing_visible[..., None], 0, o_i / l_i[..., None])
-        row_lse = np.where(nothing_visible, -np.inf, m_i + np.log(l_i))
+        o = xp.where(nothing_visible[..., None], 0, o_i / l_i[..., None])
+        row_lse = xp.where(nothing_visible, -np.inf, m_i + xp.log(l_i))
     return o, row_lse.astype(acc, copy=False)
 
 
-def tile_scores(problem, index, q_i, i0, i1, j0, j1):
-    """S_ij = (scale * q_i) @ k_j.T + bias, with hidden keys set to -inf by selection; and the visibility
-    (None when every key of the tile is visible). A -inf bias hides its key as the mask does, so a NaN in that
-    key's scores or values never counts. In the arrays' own module (the cupy backend's backward uses it too)."""
+def softmax_start(problem, index, shape):
+    """The running max m_i and sum l_i of rows of `shape` before any key: -inf and 0, or with sinks= the sink's
+    logit and 1 (its own exp(sink - m_i)), so it joins every row's denominator."""
+    xp, acc = problem.xp, problem.acc_dtype
+    if problem.sinks is None:
+        return xp.full(shape, -np.inf, dtype=acc), xp.zeros(shape, dtype=acc)
+    m_i = xp.broadcast_to(problem.sinks[index][..., None], shape).astype(acc)
+    return m_i, xp.where(m_i == -np.inf, 0, 1).astype(acc)
+
+
+def index_grids(problem, index, i0, i1, j0, j1):
+    """The mods' arguments on one tile: one int64 array per batch axis (its int, or its slice's indices on the axis
+    the slice keeps), the query rows and the keys, all broadcastable to the tile's scores."""
+    xp = problem.xp
+    kept = sum(isinstance(x, slice) for x in index)
+    grids, axis = [], 0
+    for x, size in zip(index, problem.batch):
+        if isinstance(x, slice):
+            shape = [1] * (kept + 2)
+            shape[axis] = -1
+            grids.append(xp.arange(size, dtype=np.int64)[x].reshape(shape))
+            axis += 1
+        else:
+            grids.append(xp.asarray(x, dtype=np.int64))
+    return grids + [xp.arange(i0, i1, dtype=np.int64)[:, None], xp.arange(j0, j1, dtype=np.int64)[None, :]]
+
+
+def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1):
+    """S_ij = (scale * q_i) @ k_j.T + bias, then score_mod, with hidden keys set to -inf by selection; the
+    visibility (None when every key of the tile is visible); and the scores before score_mod (None without one:
+    the backward's derivative reads them). A -inf bias hides its key as the mask does, so a NaN in that key's
+    scores or values never counts. In the arrays' own module (the cupy backend's backward uses it too)."""
     xp, acc = problem.xp, problem.acc_dtype
     k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
     s_ij = xp.matmul(q_i, xp.swapaxes(k_j, -1, -2))
@@ -120,20 +162,29 @@ def tile_scores(problem, index, q_i, i0, i1, j0, j1):
         if problem.bias_hides:
             shown = bias != -np.inf
             visible = shown if visible is None else visible & shown
+    raw = None
+    if patterns.any:
+        grids = index_grids(problem, index, i0, i1, j0, j1)
+        if patterns.mask_mod is not None:
+            shown = xp.broadcast_to(patterns.mask_mod(grids), s_ij.shape)
+            visible = shown if visible is None else visible & shown
+        if patterns.score_mod is not None:
+            raw, s_ij = s_ij, xp.broadcast_to(patterns.score_mod(grids, s_ij), s_ij.shape).astype(acc)
     if visible is not None:
         s_ij = xp.where(visible, s_ij, -np.inf)
-    return s_ij, visible
+    return s_ij, visible, raw
 
 
 def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
     """The seed's update: new running max, rescale the old sum and output, add this tile's share."""
-    m_new = np.maximum(m_i, s_ij.max(axis=-1))
-    m_safe = np.where(m_new == -np.inf, 0, m_new)  # rows with nothing visible yet: exp(-inf - 0) = 0
-    p_ij = exp_shifted(s_ij, m_safe[..., None])  # S_ij is not needed again: P_ij takes its memory
-    alpha = np.exp(m_i - m_safe)
+    xp = problem.xp
+    m_new = xp.maximum(m_i, s_ij.max(axis=-1))
+    m_safe = xp.where(m_new == -np.inf, 0, m_new)  # rows with nothing visible yet: exp(-inf - 0) = 0
+    p_ij = exp_shifted(s_ij, m_safe[..., None], xp)  # S_ij is not needed again: P_ij takes its memory
+    alpha = xp.exp(m_i - m_safe)
     l_new = alpha * l_i + p_ij.sum(axis=-1)
     v_j = problem.v[index + (slice(j0, j1),)].astype(problem.acc_dtype, copy=False)
-    o_new = alpha[..., None] * o_i + weighted_values(p_ij, v_j, visible)
+    o_new = alpha[..., None] * o_i + weighted_values(p_ij, v_j, visible, xp)
     return m_new, l_new, o_new
 
 
@@ -192,6 +243,7 @@ def run_backward(problem, dout, out, lse, grads, block=None):
     scale = acc.type(problem.scale)
     rows_per_step, bc = tile_sizes(problem, block, BACKWARD_TEMPS_PER_SCORE)
     item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
+    patterns = Patterns(problem)
     for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
         rows = index + (slice(i0, i1),)
         q_i = problem.q[rows].astype(acc)
@@ -207,9 +259,10 @@ def run_backward(problem, dout, out, lse, grads, block=None):
         for j0 in range(j_start, j_stop, bc):
             j1 = min(j_stop, j0 + bc)
             keys = index + (slice(j0, j1),)
-            s_ij, visible = tile_scores(problem, index, scaled_q_i, i0, i1, j0, j1)
+            s_ij, visible, raw = tile_scores(problem, patterns, index, scaled_q_i, i0, i1, j0, j1)
             p_ij = exp_shifted(s_ij, shift, xp)  # S_ij is not needed again
-            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
+            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, patterns, raw,
+                                        index_grids(problem, index, i0, i1, j0, j1) if raw is not None else None)
             visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
             dv[keys] += weighted_values(xp.swapaxes(p_ij, -1, -2), do_i, visible_t, xp, do_finite)
             scaled_k_j = problem.k[keys].astype(acc) * scale  # small: the scale folded into the operand
@@ -219,10 +272,14 @@ def run_backward(problem, dout, out, lse, grads, block=None):
                 dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
 
 
-def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
-    """dS_ij = P_ij * (dO_i V_j^T - D_i), zero for hidden pairs by selection (a NaN in a hidden value row makes
-    dO_i V_j^T NaN there)."""
+def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, patterns=None, raw=None, grids=None):
+    """dS_ij = P_ij * (dO_i V_j^T - D_i), through score_mod's derivative at the raw scores where there is one,
+    zero for hidden pairs by selection (a NaN in a hidden value row makes dO_i V_j^T NaN there, and a derivative
+    may be NaN or inf where the pair is hidden)."""
     xp = problem.xp
     v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
     ds_ij = score_gradient_in_place(xp.matmul(do_i, xp.swapaxes(v_j, -1, -2)), p_ij, delta)
+    if raw is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            ds_ij *= patterns.score_mod.derivative(grids, raw)
     return ds_ij if visible is None else xp.where(visible, ds_ij, 0)

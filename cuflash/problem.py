@@ -81,6 +81,9 @@ class Problem:
     precision: precision= normalized for dtype (family.check_precision): "highest" (float32-exact: 3xTF32 on
         tensor cores, or CUDA cores), "tf32" (float32 only: one TF32 tensor-core pass) or "fma" (CUDA cores only).
         What the planner reads; the numpy backend computes the same either way.
+    score_mod, mask_mod: the traced mods (mods.Traced) or None: score_mod maps each scaled score (after bias) to a
+        new one, mask_mod is ANDed with the window and mask. sinks: (*batch,) in the accumulation type or None:
+        one logit per batch item that joins every row's softmax denominator and carries no value.
     """
 
     q: Any
@@ -100,6 +103,14 @@ class Problem:
     xp: Any  # numpy or cupy
     bias_hides: bool = False
     precision: str = "highest"
+    score_mod: Any = None
+    mask_mod: Any = None
+    sinks: Any = None
+
+    @property
+    def has_mods(self) -> bool:
+        """Whether a pattern beyond window, mask and bias takes part (what the kernels do not compile yet)."""
+        return self.score_mod is not None or self.mask_mod is not None or self.sinks is not None
 
     @property
     def batch_size(self) -> int:

@@ -48,6 +48,9 @@ def run(problem, out, lse, block=None):
     check_one_device({"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": problem.bias,
                       "out": out, "lse": lse})
     with device:
+        if problem.has_mods:  # not compiled into the kernels yet: the blocked algorithm on CuPy's matmul
+            blocked.run(problem, out, lse)
+            return
         limits = device_limits(device.id)
         plan = tiling.plan(problem.shape, limits, block)
         launch.run(problem, out, lse, plan, kernels_for(device.id, limits, chosen=block is None))
@@ -61,7 +64,7 @@ def run_backward(problem, dout, out, lse, grads, block=None):
                       "dout": dout, "out": out, "lse": lse})
     with device:
         limits = device_limits(device.id)
-        plans = tiling.backward_plans(problem.shape, limits, block)
+        plans = None if problem.has_mods else tiling.backward_plans(problem.shape, limits, block)
         if plans is None:
             blocked.run_backward(problem, dout, out, lse, grads)
             return

@@ -27,13 +27,16 @@ def unavailable():
 
 
 def run(problem, out, lse, block=None):
+    if problem.has_mods:  # not compiled into the kernels yet: the blocked algorithm, as the cupy backend
+        blocked.run(problem, out, lse)
+        return
     launch.run(problem, out, lse, tiling.plan(problem.shape, DEVICE, block), get_kernel)
 
 
 def run_backward(problem, dout, out, lse, grads, block=None):
     """The backward kernels (kernels/backward.cuh) as planned; past their head dims, the blocked backward (the
     numpy backend's, on these NumPy arrays)."""
-    plans = tiling.backward_plans(problem.shape, DEVICE, block)
+    plans = None if problem.has_mods else tiling.backward_plans(problem.shape, DEVICE, block)
     if plans is None:
         blocked.run_backward(problem, dout, out, lse, grads)
         return
