@@ -184,6 +184,8 @@ def const(x) -> Expr:
     """A Python or NumPy number (or a 0-d array of one) as a constant of the expression."""
     if isinstance(x, Expr):
         return x
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "biuf":
+        x = x[()]  # a number NumPy computed while tracing (np.abs(3)), not a captured array: those are Tables
     if isinstance(x, (bool, np.bool_)):
         return Expr("const", (), "bool", bool(x))
     if isinstance(x, (numbers.Integral, np.integer)):
@@ -350,6 +352,8 @@ class _Capture:
         self._functions: Dict[int, Any] = {}
 
     def wrap(self, value, name: str):
+        if isinstance(value, (tuple, list)):  # and_masks' parts, or a tuple of tables
+            return type(value)(self.wrap(x, name) for x in value)
         if is_array(value):
             table = self._by_id.get(id(value))
             if table is None:
@@ -692,3 +696,127 @@ class Bound:
         if self._derivative is None:
             self._derivative = derivative(self.traced.expr)
         return evaluate(self._derivative, grids, self.tables, self.acc, score, self.xp, "score_mod")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Built-in patterns: ordinary mods, written as a user would write them. A per-head array (slopes, a bias table's
+# rows) is indexed by the trailing batch axes, as NumPy broadcasting aligns it against (*batch,); a per-token
+# array (document ids, prefix lengths) by the leading ones (for (B, H, n, d) inputs: by b).
+
+
+def _split(idx):
+    return idx[:-2], idx[-2], idx[-1]
+
+
+def _trailing(array, batch):
+    """array's index tuple from the trailing batch axes (its last axis excluded: extra, the caller's)."""
+    return tuple(batch[len(batch) - (len(array.shape) - 1):]) if len(array.shape) > 1 else ()
+
+
+def alibi(slopes, offset: int = 0):
+    """ALiBi (Press et al.): score - slopes[h] * |i + offset - j|, slopes of shape (H,) or (B, H) (the trailing
+    batch axes). offset = m - n aligns it bottom-right, as FlashAttention's alibi_slopes do; for causal attention
+    it differs from slopes[h] * (j - i) by a constant per row, which the softmax cancels."""
+    def alibi_mod(score, *idx):
+        batch, i, j = _split(idx)
+        return score - slopes[tuple(batch[len(batch) - len(slopes.shape):])] * np.abs(i + offset - j)
+    return alibi_mod
+
+
+def alibi_slopes(heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes for `heads` heads: 2^(-8 h / heads) for h = 1 ... heads (for a power of two; other
+    counts interleave the next power's, as the paper's code does), float64."""
+    def powers(count):
+        start = 2.0 ** (-8.0 / count)
+        return [start ** (h + 1) for h in range(count)]
+    closest = 2 ** int(math.floor(math.log2(heads)))
+    slopes = powers(closest) + powers(2 * closest)[0::2][:heads - closest]
+    return np.array(slopes, dtype=np.float64)
+
+
+def softcap(cap: float):
+    """Logit soft-capping (Gemma 2, Grok): cap * tanh(score / cap)."""
+    if not (isinstance(cap, numbers.Real) and cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"softcap: cap must be a positive finite number, got {cap!r}")
+
+    def softcap_mod(score, *idx):
+        return cap * np.tanh(score / cap)
+    return softcap_mod
+
+
+def documents(ids, kv_ids=None):
+    """Packed sequences: query i sees key j only when both belong to the same document. ids: an integer array
+    of (*lead, n) document ids per query token (lead: leading batch axes, e.g. (B,) for (B, H, n, d) inputs, or
+    none); kv_ids the keys' ((*lead, m)), by default ids (self-attention)."""
+    kv = ids if kv_ids is None else kv_ids
+
+    def documents_mask(*idx):
+        batch, i, j = _split(idx)
+        return ids[tuple(batch[:len(ids.shape) - 1]) + (i,)] == kv[tuple(batch[:len(kv.shape) - 1]) + (j,)]
+    return documents_mask
+
+
+def prefix_lm(prefix_length):
+    """Prefix-LM: every query sees the first prefix_length keys, and the others causally (j <= i). prefix_length:
+    an int, or an integer array of one per leading batch item ((B,) for (B, H, n, d) inputs)."""
+    def prefix_lm_mask(*idx):
+        batch, i, j = _split(idx)
+        if isinstance(prefix_length, Table) or is_array(prefix_length):
+            return (j < prefix_length[tuple(batch[:len(prefix_length.shape)])]) | (j <= i)
+        return (j < prefix_length) | (j <= i)
+    return prefix_lm_mask
+
+
+def relative_bias(table, buckets):
+    """A learned relative-position bias (T5, Swin): score + table[..., bucket], table of shape (buckets,) or
+    (*trailing batch axes, buckets). buckets: a function bucket(i, j) -> integer expression (T5's log buckets are
+    one), or an integer array of 2 L - 1 bucket numbers for relative distances j - i = -(L - 1) ... L - 1 (farther
+    ones clipped to the ends)."""
+    def relative_bias_mod(score, *idx):
+        batch, i, j = _split(idx)
+        if isinstance(buckets, Table) or is_array(buckets):
+            reach = (len(buckets) - 1) // 2
+            bucket = buckets[np.clip(j - i, -reach, reach) + reach]
+        else:
+            bucket = buckets(i, j)
+        return score + table[_trailing(table, batch) + (bucket,)]
+    return relative_bias_mod
+
+
+def and_masks(*masks):
+    """A mask_mod that sees a key where every one of masks does."""
+    if not masks:
+        raise ValueError("and_masks: give at least one mask_mod")
+
+    def all_of(*idx):
+        result = masks[0](*idx)
+        for mask in masks[1:]:
+            result = result & mask(*idx)
+        return result
+    return all_of
+
+
+def or_masks(*masks):
+    """A mask_mod that sees a key where any one of masks does."""
+    if not masks:
+        raise ValueError("or_masks: give at least one mask_mod")
+
+    def any_of(*idx):
+        result = masks[0](*idx)
+        for mask in masks[1:]:
+            result = result | mask(*idx)
+        return result
+    return any_of
+
+
+def causal(*idx):
+    """The causal mask top-left aligned (j <= i), as a mask_mod (causal= aligns it bottom-right)."""
+    return idx[-1] <= idx[-2]
+
+
+def sliding_window(left: int, right: int = 0):
+    """A band i - left <= j <= i + right as a mask_mod (window= is the same, with its tiles skipped)."""
+    def window_mask(*idx):
+        i, j = idx[-2], idx[-1]
+        return (j >= i - left) & (j <= i + right)
+    return window_mask
