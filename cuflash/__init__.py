@@ -4,13 +4,15 @@ cuflash.attention(q, k, v) computes exact attention tile by tile with an online 
 matrix never exists in memory.
 """
 
+from . import mods
 from .api import attention, attention_backward
+from .blockmask import BlockMask, block_mask
 from .errors import BackendUnavailableError
 from .dtypes import bfloat16
 from .devices import DeviceLimits
 from .family import BlockConfig
 from .merging import merge
 
-__all__ = ["attention", "attention_backward", "BackendUnavailableError", "bfloat16", "BlockConfig", "DeviceLimits",
-           "merge"]
+__all__ = ["attention", "attention_backward", "BackendUnavailableError", "bfloat16", "BlockConfig", "BlockMask",
+           "block_mask", "DeviceLimits", "merge", "mods"]
 __version__ = "0.1.0"

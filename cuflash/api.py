@@ -16,7 +16,8 @@ from typing import Any, Callable, Literal, Optional, Tuple, Union, overload
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import backends, mods
+from . import backends, blockmask, mods
+from .blockmask import BlockMask
 from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
 from .family import BlockConfig, check_precision
 from .problem import SIGNATURE, Problem, Window, default_scale
@@ -37,7 +38,8 @@ MaskMod = Callable[..., Any]  # mask_mod(*batch_indices, i, j) -> bool
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
-              sinks: Optional[ArrayLike] = None, out: Optional[Array] = None, return_lse: Literal[False] = False,
+              block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
+              out: Optional[Array] = None, return_lse: Literal[False] = False,
               backend: Optional[str] = None, block: Block = None, precision: Optional[str] = None) -> Array: ...
 
 
@@ -45,7 +47,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
-              sinks: Optional[ArrayLike] = None, out: Optional[Array] = None,
+              block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
+              out: Optional[Array] = None,
               return_lse: Union[Literal[True], np.bool_], backend: Optional[str] = None, block: Block = None,
               precision: Optional[str] = None) -> Tuple[Array, Array]: ...
 
@@ -53,7 +56,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Scalar] = None, causal: Flag = False,
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
-              sinks: Optional[ArrayLike] = None, out: Optional[Array] = None, return_lse: Flag = False,
+              block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
+              out: Optional[Array] = None, return_lse: Flag = False,
               backend: Optional[str] = None, block: Block = None,
               precision: Optional[str] = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
@@ -74,6 +78,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
         np.clip, .astype, and index arrays it closes over (cuflash.mods has ALiBi, soft-capping and more).
     mask_mod: a function mask_mod(*idx, i, j) -> bool, ANDed with mask=, causal= and window=: key j is seen by
         query i only where it is True. Both are traced once per call into an expression (cuflash.mods).
+    block_mask: a cuflash.BlockMask (cuflash.block_mask) of the call's mask_mod or mask: only the tiles it shows
+        are computed, and the pattern is evaluated only on the tiles it shows in part. Without one, a mask_mod on
+        NumPy arrays gets one made and kept (by its expression, the sizes and the contents of its arrays).
     sinks: real array broadcastable to (*batch,): one logit per batch item that joins every row's softmax
         denominator and carries no value (attention sinks); lse includes it.
     out: array of exactly the result's shape; the result is cast to its dtype with same-kind casting.
@@ -92,7 +99,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
     xp = array_module(q, k, v, mask, bias, out, sinks=sinks)
     # CuPy allocates and launches on the current device: make it the operands' one for casts, out and lse.
     with device_of(xp, (q, k, v, mask, bias, out)):
-        patterns = Patterns(score_mod, mask_mod, sinks)
+        patterns = Patterns(score_mod, mask_mod, sinks, block_mask)
         return _attention(xp, q, k, v, scale, causal, window, mask, bias, patterns, out, return_lse, backend, block,
                           precision)
 
@@ -118,7 +125,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        *, scale: Optional[Scalar] = None, causal: Flag = False, window: Optional[WindowSides] = None,
                        mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
                        score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
-                       sinks: Optional[ArrayLike] = None, bias_grad: Flag = False,
+                       block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
+                       bias_grad: Flag = False,
                        backend: Optional[str] = None, block: Block = None,
                        precision: Optional[str] = None) -> Tuple[Array, ...]:
     """The gradients (dq, dk, dv), and dbias with bias_grad=True, of attention's result given dout, the gradient
@@ -135,7 +143,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     xp = array_module(q, k, v, mask, bias, out, lse, dout, sinks=sinks)
     with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):
         return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias,
-                                   Patterns(score_mod, mask_mod, sinks), bias_grad, backend, block, precision)
+                                   Patterns(score_mod, mask_mod, sinks, block_mask), bias_grad, backend, block,
+                                   precision)
 
 
 def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, patterns, bias_grad,
@@ -197,11 +206,12 @@ def sum_to(x, shape):
 
 @dataclasses.dataclass
 class Patterns:
-    """score_mod=, mask_mod= and sinks= as the caller gave them (checked by make_problem)."""
+    """score_mod=, mask_mod=, sinks= and block_mask= as the caller gave them (checked by make_problem)."""
 
     score_mod: Any = None
     mask_mod: Any = None
     sinks: Any = None
+    block_mask: Any = None
 
 
 def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), precision=None, patterns=None):
@@ -210,6 +220,7 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), prec
     bfloat16 check (out=, the backward's saved tensors). patterns: score_mod=, mask_mod= and sinks= (traced here,
     sinks made an array of xp in place)."""
     q, k, v = (as_array(x, xp, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    mask, mask_is_block_masks = block_masks_mask(patterns, mask)
     mask = None if mask is None else as_array(mask, xp, "mask")
     bias = None if bias is None else as_array(bias, xp, "bias")
     batch, n, m, d, e, dtype = core_sizes(q, k, v, mask, bias)
@@ -228,18 +239,55 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), prec
         xp=xp,
         bias_hides=bias_may_hide(bias, xp),
         precision=check_precision(precision, dtype, NAME),
-        **pattern_fields(patterns, batch, dtype, xp),
+        **pattern_fields(patterns, batch, n, m, dtype, xp),
+        mask_is_block_masks=mask_is_block_masks,
     )
     return problem, (q, k, v, mask, bias)
 
 
-def pattern_fields(patterns, batch, dtype, xp):
-    """The Problem's score_mod, mask_mod (traced for the batch's axes) and sinks (broadcast to the batch, in the
-    accumulation type)."""
+def call_block_mask(patterns, fields, batch, n, m, xp):
+    """The call's BlockMask: block_mask= checked against the call (its mask_mod taken when mask_mod= is not
+    given), or one made and kept for mask_mod= on NumPy arrays, or None."""
+    given = patterns.block_mask
+    if given is None:
+        if fields["mask_mod"] is None or xp is not np:
+            return None
+        return blockmask.for_mod(fields["mask_mod"], batch, n, m)
+    if not isinstance(given, BlockMask):
+        raise TypeError(f"{NAME}: block_mask must be a cuflash.BlockMask (made by cuflash.block_mask), got "
+                        f"{type(given).__name__}")
+    given.check_for(batch, n, m, NAME)
+    if given.function is not None:
+        if patterns.mask_mod is None:
+            fields["mask_mod"] = mods.trace(given.function, "mask", len(batch))
+        elif patterns.mask_mod is not given.function:
+            raise ValueError(f"{NAME}: block_mask= was made from another mask_mod than mask_mod=; pass the same "
+                             f"function, or block_mask= alone (it brings its mask_mod)")
+    elif given.mask is None and fields["mask_mod"] is None:
+        fields["mask_mod"] = given.mask_mod
+    return given
+
+
+def block_masks_mask(patterns, mask):
+    """(mask, whether it is the block mask's): a block mask made from mask= brings it when mask= is not given."""
+    made_from = None if patterns is None or patterns.block_mask is None else \
+        getattr(patterns.block_mask, "mask", None)
+    if made_from is None:
+        return mask, False
+    if mask is not None and mask is not made_from:
+        raise ValueError(f"{NAME}: block_mask= was made from another mask than mask=; pass the same array, or "
+                         f"block_mask= alone (it brings its mask)")
+    return made_from, True
+
+
+def pattern_fields(patterns, batch, n, m, dtype, xp):
+    """The Problem's score_mod, mask_mod (traced for the batch's axes), sinks (broadcast to the batch, in the
+    accumulation type) and block mask (checked against the call, or made for a mask_mod on NumPy arrays)."""
     if patterns is None:
         return {}
     fields = {name: None if fn is None else mods.trace(fn, name.split("_")[0], len(batch))
               for name, fn in (("score_mod", patterns.score_mod), ("mask_mod", patterns.mask_mod))}
+    fields["block_mask"] = call_block_mask(patterns, fields, batch, n, m, xp)
     if patterns.sinks is not None:
         sinks = as_array(patterns.sinks, xp, "sinks")
         patterns.sinks = sinks

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from . import mods
+from . import blockmask, mods
 from .tiling import block_pair
 
 WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
@@ -36,25 +36,74 @@ class Patterns:
 
 
 def run(problem, out, lse, block=None):
-    rows_per_step, bc = tile_sizes(problem, block)
-    # A causal or windowed problem's row tiles are no taller than a key tile: the key tiles its window hides
-    # are skipped, and few tiles straddle its edge.
-    item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
     patterns = Patterns(problem)
-    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
-        o, row_lse = attend_rows(problem, patterns, index, i0, i1, bc)
+    for index, i0, i1, key_tiles in steps(problem, block):
+        o, row_lse = attend_rows(problem, patterns, index, i0, i1, key_tiles)
         out[index + (slice(i0, i1),)] = o.astype(problem.dtype, copy=False)
         if lse is not None:
             lse[index + (slice(i0, i1),)] = row_lse
 
 
+def steps(problem, block, temps=TEMPS_PER_SCORE):
+    """Yield (batch index, i0, i1, key tiles) for every step: rows [i0, i1) of the batch items the index selects,
+    against key tiles (j0, j1, whole), whole meaning the block mask shows every element (no mask_mod to
+    evaluate). Without a block mask: the row tiles of row_tiles against every key tile of their window. With one:
+    its row tiles (of all the batch items that share its entry, in groups that keep the working set) against the
+    tiles it shows within the window."""
+    rows_per_step, bc = tile_sizes(problem, block, temps)
+    if problem.block_mask is None:
+        # A causal or windowed problem's row tiles are no taller than a key tile: the key tiles its window hides
+        # are skipped, and few tiles straddle its edge.
+        item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
+        for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
+            j_start, j_stop = problem.key_range(i0, i1)
+            yield index, i0, i1, [(j0, min(j_stop, j0 + bc), False) for j0 in range(j_start, j_stop, bc)]
+        return
+    mask = problem.block_mask if block is None else problem.block_mask.retile(*check_block(block))
+    br, bc = mask.block
+    for entry, shared in blockmask.entries(mask, problem.batch):
+        for index in split_index(shared, problem.batch, max(1, rows_per_step // br)):
+            for t in range(-(-problem.n // br)):
+                i0, i1 = t * br, min(problem.n, (t + 1) * br)
+                j_start, j_stop = problem.key_range(i0, i1)
+                tiles = [(max(j_start, c * bc), min(j_stop, (c + 1) * bc), whole)
+                         for c, whole in mask.key_tiles(entry, t)]
+                yield index, i0, i1, runs([tile for tile in tiles if tile[0] < tile[1]], max(bc, DEFAULT_BC))
+
+
+def runs(tiles, width):
+    """Adjacent key tiles of one kind (whole or partial) joined into steps of up to `width` keys: fewer, larger
+    matmuls, and still no mask evaluated on a whole tile."""
+    joined: list = []
+    for j0, j1, whole in tiles:
+        if joined and joined[-1][1] == j0 and joined[-1][2] == whole and j1 - joined[-1][0] <= width:
+            joined[-1] = (joined[-1][0], j1, whole)
+        else:
+            joined.append((j0, j1, whole))
+    return joined
+
+
+def split_index(index, batch, items):
+    """index with its slices (whole shared axes) turned into ints from the left until it selects at most `items`
+    batch items (at least one axis at a time)."""
+    sliced = [axis for axis, x in enumerate(index) if isinstance(x, slice)]
+    while sliced and math.prod(batch[a] for a in sliced) > items:
+        sliced.pop(0)
+    fixed = [axis for axis, x in enumerate(index) if isinstance(x, slice) and axis not in sliced]
+    for values in np.ndindex(*(batch[a] for a in fixed)):
+        chosen = list(index)
+        for axis, value in zip(fixed, values):
+            chosen[axis] = value
+        yield tuple(chosen)
+
+
 def tile_sizes(problem, block, temps=TEMPS_PER_SCORE):
     """(query rows per step, counting all batch items of the step; keys per tile), for `temps` score-sized
-    temporaries alive at once."""
+    temporaries alive at once (with a block mask: its key tile)."""
     if block is not None:
         br, bc = check_block(block)
         return br, bc
-    bc = max(1, min(DEFAULT_BC, problem.m))
+    bc = max(1, min(DEFAULT_BC, problem.m)) if problem.block_mask is None else problem.block_mask.block[1]
     score_bytes = temps * problem.acc_dtype.itemsize * bc
     row_bytes = score_bytes + 3 * problem.acc_dtype.itemsize * (problem.d + problem.e)
     return max(1, WORKING_SET_BYTES // row_bytes), bc
@@ -92,8 +141,8 @@ def row_tiles(batch, n, rows_per_step, item_rows=None):
             yield outer + (slice(b0, min(batch[split - 1], b0 + chunk)),) + whole, 0, n
 
 
-def attend_rows(problem, patterns, index, i0, i1, bc):
-    """Online softmax over the key tiles for query rows [i0, i1) of the batch items selected by index.
+def attend_rows(problem, patterns, index, i0, i1, key_tiles):
+    """Online softmax over the key tiles (steps) for query rows [i0, i1) of the batch items selected by index.
 
     Returns O_i / l_i in acc dtype and the rows' lse."""
     xp, acc = problem.xp, problem.acc_dtype
@@ -103,10 +152,8 @@ def attend_rows(problem, patterns, index, i0, i1, bc):
     shape = q_i.shape[:-1]
     m_i, l_i = softmax_start(problem, index, shape)
     o_i = xp.zeros(shape + (problem.e,), dtype=acc)  # unnormalized output
-    j_start, j_stop = problem.key_range(i0, i1)
-    for j0 in range(j_start, j_stop, bc):
-        j1 = min(j_stop, j0 + bc)
-        s_ij, visible, _ = tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1)
+    for j0, j1, whole in key_tiles:
+        s_ij, visible, _ = tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1, whole, keep_raw=False)
         m_i, l_i, o_i = online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1)
     nothing_visible = l_i == 0  # fully masked rows give 0 and lse -inf; NaN rows stay NaN
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -142,11 +189,13 @@ def index_grids(problem, index, i0, i1, j0, j1):
     return grids + [xp.arange(i0, i1, dtype=np.int64)[:, None], xp.arange(j0, j1, dtype=np.int64)[None, :]]
 
 
-def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1):
+def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1, whole=False, keep_raw=True):
     """S_ij = (scale * q_i) @ k_j.T + bias, then score_mod, with hidden keys set to -inf by selection; the
     visibility (None when every key of the tile is visible); and the scores before score_mod (None without one:
     the backward's derivative reads them). A -inf bias hides its key as the mask does, so a NaN in that key's
-    scores or values never counts. In the arrays' own module (the cupy backend's backward uses it too)."""
+    scores or values never counts. whole: the block mask shows the whole tile, so its pattern (mask_mod, or the
+    mask it was made from) is not evaluated. keep_raw=False (the forward): score_mod may overwrite the scores, and
+    no raw scores come back. In the arrays' own module (the cupy backend's backward uses it too)."""
     xp, acc = problem.xp, problem.acc_dtype
     k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
     s_ij = xp.matmul(q_i, xp.swapaxes(k_j, -1, -2))
@@ -154,7 +203,7 @@ def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1):
     visible = None
     if not problem.tile_fully_visible(i0, i1, j0, j1):
         visible = problem.window_tile(i0, i1, j0, j1)
-    if problem.mask is not None:
+    if problem.mask is not None and not (whole and problem.mask_is_block_masks):
         visible = problem.mask[tile] if visible is None else problem.mask[tile] & visible
     if problem.bias is not None:
         bias = problem.bias[tile]  # in the accumulation type already
@@ -165,11 +214,16 @@ def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1):
     raw = None
     if patterns.any:
         grids = index_grids(problem, index, i0, i1, j0, j1)
-        if patterns.mask_mod is not None:
+        if patterns.mask_mod is not None and not whole:
             shown = xp.broadcast_to(patterns.mask_mod(grids), s_ij.shape)
             visible = shown if visible is None else visible & shown
         if patterns.score_mod is not None:
-            raw, s_ij = s_ij, xp.broadcast_to(patterns.score_mod(grids, s_ij), s_ij.shape).astype(acc)
+            modded = patterns.score_mod(grids, s_ij, consume_score=not keep_raw)
+            if keep_raw:
+                raw = s_ij
+            if modded is raw or np.shape(modded) != s_ij.shape or modded.dtype != acc:
+                modded = xp.broadcast_to(modded, s_ij.shape).astype(acc)  # a copy the softmax may overwrite
+            s_ij = modded
     if visible is not None:
         s_ij = xp.where(visible, s_ij, -np.inf)
     return s_ij, visible, raw
@@ -241,10 +295,8 @@ def run_backward(problem, dout, out, lse, grads, block=None):
     dq, dk, dv, dbias = grads
     xp, acc = problem.xp, problem.acc_dtype
     scale = acc.type(problem.scale)
-    rows_per_step, bc = tile_sizes(problem, block, BACKWARD_TEMPS_PER_SCORE)
-    item_rows = min(rows_per_step, bc) if problem.window.bounded else rows_per_step
     patterns = Patterns(problem)
-    for index, i0, i1 in row_tiles(problem.batch, problem.n, rows_per_step, item_rows):
+    for index, i0, i1, key_tiles in steps(problem, block, BACKWARD_TEMPS_PER_SCORE):
         rows = index + (slice(i0, i1),)
         q_i = problem.q[rows].astype(acc)
         do_i = dout[rows].astype(acc)
@@ -255,11 +307,9 @@ def run_backward(problem, dout, out, lse, grads, block=None):
         scaled_q_i = q_i * scale
         # Whether dO_i and Q_i are finite, asked once for all their key tiles (the products skip the test).
         do_finite, q_finite = (bool(xp.isfinite(x).all()) for x in (do_i, scaled_q_i))
-        j_start, j_stop = problem.key_range(i0, i1)
-        for j0 in range(j_start, j_stop, bc):
-            j1 = min(j_stop, j0 + bc)
+        for j0, j1, whole in key_tiles:
             keys = index + (slice(j0, j1),)
-            s_ij, visible, raw = tile_scores(problem, patterns, index, scaled_q_i, i0, i1, j0, j1)
+            s_ij, visible, raw = tile_scores(problem, patterns, index, scaled_q_i, i0, i1, j0, j1, whole)
             p_ij = exp_shifted(s_ij, shift, xp)  # S_ij is not needed again
             ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, patterns, raw,
                                         index_grids(problem, index, i0, i1, j0, j1) if raw is not None else None)

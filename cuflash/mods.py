@@ -16,6 +16,7 @@ its table's axis (negative indices do not wrap): one outside is an IndexError.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import math
@@ -511,18 +512,50 @@ def nodes(expr: Expr) -> List[Expr]:
 _NP_BINARY = {"true_divide": "divide"}
 
 
-def evaluate(expr: Expr, indices, tables, acc, score=None, xp=np, what: str = "mod"):
+def evaluate(expr: Expr, indices, tables, acc, score=None, xp=np, what: str = "mod", consume_score=False):
     """The expression on broadcastable grids: indices (one int64 array per index axis), tables (the arrays, in
-    table order, floats already in acc), score (acc). An index outside its table is an IndexError."""
+    table order, floats already in acc), score (acc). An index outside its table is an IndexError. Float
+    operations write into an argument that nothing else reads (a temporary of theirs, or the score itself with
+    consume_score): a score_mod costs passes over the tile, not allocations."""
     acc = np.dtype(acc)
+    order = nodes(expr)
+    uses = collections.Counter(id(a) for x in order for a in x.args)
+    owned: set = set()  # nodes whose value is an array this evaluation made (or the consumed score)
     values: Dict[int, Any] = {}
-    for x in nodes(expr):
+    for x in order:
         args = [values[id(a)] for a in x.args]
-        values[id(x)] = _evaluate_node(x, args, indices, tables, acc, score, xp, what)
+        out = _reusable(x, args, uses, owned, acc, xp)
+        values[id(x)] = _evaluate_node(x, args, indices, tables, acc, score, xp, what, out)
+        if x.op not in ("index", "const", "table", "score") or (x.op == "score" and consume_score):
+            owned.add(id(x))
     return values[id(expr)]
 
 
-def _evaluate_node(x, args, indices, tables, acc, score, xp, what):
+IN_PLACE = {  # the operations one ufunc call computes, by kind of result (and of arguments)
+    "float": (FLOAT_UNARY - {"reciprocal"}) | {"add", "subtract", "multiply", "true_divide", "minimum", "maximum",
+                                               "power", "negative", "absolute", "square", "sign"},
+    "int": {"add", "subtract", "multiply", "minimum", "maximum", "negative", "absolute", "square", "sign",
+            "bitwise_and", "bitwise_or", "bitwise_xor", "invert"},
+    "bool": {"bitwise_and", "bitwise_or", "bitwise_xor", "logical_not"},
+}
+
+
+def _reusable(x, args, uses, owned, acc, xp):
+    """An argument of x its ufunc may write the result into (one of the result's dtype and shape that nothing
+    else reads), or None."""
+    if x.op not in IN_PLACE[x.kind]:
+        return None
+    dtype = {"float": acc, "int": np.dtype(np.int64), "bool": np.dtype(np.bool_)}[x.kind]
+    shape = np.broadcast_shapes(*(np.shape(a) for a in args))
+    for a, value in zip(x.args, args):
+        if id(a) in owned and uses[id(a)] == 1 and isinstance(value, xp.ndarray) and value.dtype == dtype and \
+                value.shape == shape:
+            owned.discard(id(a))
+            return value
+    return None
+
+
+def _evaluate_node(x, args, indices, tables, acc, score, xp, what, out=None):
     if x.op == "score":
         return score
     if x.op == "index":
@@ -553,7 +586,7 @@ def _evaluate_node(x, args, indices, tables, acc, score, xp, what):
         if x.op == "power" and x.kind == "int":
             a, b = args
             return xp.where(b < 0, 0, xp.power(a, xp.maximum(b, 0)))
-        result = getattr(xp, _NP_BINARY.get(x.op, x.op))(*args)
+        result = getattr(xp, _NP_BINARY.get(x.op, x.op))(*args, **({} if out is None else {"out": out}))
     if x.kind == "float" and result.dtype != acc:
         result = result.astype(acc)
     return result
@@ -570,13 +603,12 @@ def read_table(array, index, number, xp, what):
 
 
 def prepared_tables(traced: Traced, xp, acc) -> Tuple[Any, ...]:
-    """The traced mod's arrays as the numpy backend reads them: arrays of xp, floats in acc."""
+    """The traced mod's arrays as the numpy backend reads them: arrays of xp, floats in acc, integers in int64."""
     result = []
     for a in traced.arrays:
         a = as_module_array(a, xp)
-        if a.dtype.kind == "f" and a.dtype != acc:
-            a = a.astype(acc)
-        result.append(a)
+        wanted = {"f": acc, "i": np.dtype(np.int64), "u": np.dtype(np.int64)}.get(a.dtype.kind, a.dtype)
+        result.append(a if a.dtype == wanted else a.astype(wanted))
     return tuple(result)
 
 
@@ -689,8 +721,9 @@ class Bound:
         self.tables = prepared_tables(traced, xp, self.acc)
         self._derivative: Optional[Expr] = None
 
-    def __call__(self, grids, score=None):
-        return evaluate(self.traced.expr, grids, self.tables, self.acc, score, self.xp, f"{self.traced.kind}_mod")
+    def __call__(self, grids, score=None, consume_score=False):
+        return evaluate(self.traced.expr, grids, self.tables, self.acc, score, self.xp, f"{self.traced.kind}_mod",
+                        consume_score)
 
     def derivative(self, grids, score):
         if self._derivative is None:

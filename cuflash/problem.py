@@ -84,6 +84,9 @@ class Problem:
     score_mod, mask_mod: the traced mods (mods.Traced) or None: score_mod maps each scaled score (after bias) to a
         new one, mask_mod is ANDed with the window and mask. sinks: (*batch,) in the accumulation type or None:
         one logit per batch item that joins every row's softmax denominator and carries no value.
+    block_mask: the tiles of mask_mod's (or the mask's) pattern (blockmask.BlockMask) or None: backends visit only
+        the tiles it shows and evaluate the pattern on its partial ones. mask_is_block_masks: mask is the array the
+        block mask was made from (a tile it shows whole needs no look at it).
     """
 
     q: Any
@@ -106,11 +109,14 @@ class Problem:
     score_mod: Any = None
     mask_mod: Any = None
     sinks: Any = None
+    block_mask: Any = None
+    mask_is_block_masks: bool = False
 
     @property
     def has_mods(self) -> bool:
         """Whether a pattern beyond window, mask and bias takes part (what the kernels do not compile yet)."""
-        return self.score_mod is not None or self.mask_mod is not None or self.sinks is not None
+        return self.score_mod is not None or self.mask_mod is not None or self.sinks is not None or \
+            self.block_mask is not None
 
     @property
     def batch_size(self) -> int:

@@ -1,0 +1,271 @@
+"""Block masks: which (query tile, key tile) pairs a pattern hides entirely, shows entirely, or partly.
+
+cuflash.block_mask(mask_mod, batch_shape, n, m) evaluates the mod tile by tile (one row of tiles at a time, never an
+(n, m) array) and keeps, per row tile of every batch entry, the key tiles it shows partly and those it shows
+whole, as FlexAttention's kv_num_blocks / kv_indices / full_kv_num_blocks / full_kv_indices, plus the transposed
+lists (per key tile, its query tiles) that a key-tile sweep (the backward's dK/dV) walks. Batch axes the pattern
+does not read have size 1 and are shared. Every backend visits only the tiles it shows and evaluates the mod only
+on the partial ones; causal= and window= keep their own skipping.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Any, Iterator, Optional, Tuple
+
+import numpy as np
+
+from . import mods
+
+DEFAULT_BLOCK = (128, 128)
+HIDDEN, PARTIAL, FULL = 0, 1, 2
+EVALUATED_ELEMENTS = 2**22  # mask elements evaluated at once while building: a row of tiles, in key chunks
+
+
+class BlockMask:
+    """The tiles of a pattern (see the module's text). Made by cuflash.block_mask; read by the backends.
+
+    shape: (*batch, n, m), batch axes of size 1 shared by every batch item; block: (Br, Bc); kinds: int8 array
+    (*batch, row tiles, key tiles) of HIDDEN, PARTIAL or FULL; mask_mod (traced) or mask (a boolean array
+    broadcastable to (*batch, n, m)): what decides the elements of a partial tile."""
+
+    def __init__(self, kinds, shape, block, mask_mod=None, mask=None, function=None):
+        self.kinds, self.shape, self.block = kinds, tuple(shape), tuple(block)
+        self.mask_mod, self.mask, self.function = mask_mod, mask, function
+        partial, full = kinds == PARTIAL, kinds == FULL
+        self.kv_num_blocks, self.kv_indices = _lists(partial)
+        self.full_kv_num_blocks, self.full_kv_indices = _lists(full)
+        self.q_num_blocks, self.q_indices = _lists(np.swapaxes(partial, -1, -2))
+        self.full_q_num_blocks, self.full_q_indices = _lists(np.swapaxes(full, -1, -2))
+
+    @property
+    def batch(self) -> Tuple[int, ...]:
+        return self.shape[:-2]
+
+    @property
+    def density(self) -> float:
+        """The share of tiles shown (partly or whole), over every batch entry."""
+        return float((self.kinds != HIDDEN).mean()) if self.kinds.size else 0.0
+
+    def to_dense(self):
+        """(*batch, row tiles, key tiles) booleans: whether each tile is shown (partly or whole)."""
+        return self.kinds != HIDDEN
+
+    def key_tiles(self, entry, row_tile: int) -> Iterator[Tuple[int, bool]]:
+        """(key tile, whole) for the tiles row tile `row_tile` of batch entry `entry` shows, in key order."""
+        kinds = self.kinds[entry][row_tile]
+        for t in np.flatnonzero(kinds):
+            yield int(t), bool(kinds[t] == FULL)
+
+    def __repr__(self) -> str:
+        br, bc = self.block
+        counts = ", ".join(f"{name} {int((self.kinds == kind).sum())}"
+                           for name, kind in (("full", FULL), ("partial", PARTIAL), ("hidden", HIDDEN)))
+        text = [f"BlockMask(shape={self.shape}, block=({br}, {bc}), density={100 * self.density:.1f}%: tiles {counts})"]
+        if self.kinds.size and self.kinds.shape[-2] <= 32 and self.kinds.shape[-1] <= 64:
+            first = self.kinds[(0,) * len(self.batch)]
+            text += ["".join(" ░█"[k] for k in row) for row in first]  # hidden, partial, full
+        return "\n".join(text)
+
+    def check_for(self, batch, n, m, name="attention"):
+        """The mask must describe this problem: its (n, m), and batch axes of its size or 1 that broadcast."""
+        if self.shape[-2:] != (n, m):
+            raise ValueError(f"{name}: the block mask was made for n = {self.shape[-2]}, m = {self.shape[-1]}, not "
+                             f"n = {n}, m = {m}; make one for this call's lengths")
+        try:
+            fits = np.broadcast_shapes(self.batch, batch) == tuple(batch)
+        except ValueError:
+            fits = False
+        if not fits or len(self.batch) > len(batch):
+            raise ValueError(f"{name}: the block mask's batch shape {self.batch} does not broadcast to the call's "
+                             f"{tuple(batch)}")
+
+    def retile(self, br: int, bc: int) -> "BlockMask":
+        """The same pattern on tiles of (br, bc): finer tiles inside a coarse one take its kind, a coarse tile made
+        of fine ones is hidden or full only if all of them are. Sizes must divide one another on each axis."""
+        if (br, bc) == self.block:
+            return self
+        kinds = self.kinds
+        for axis, (old, new, length) in enumerate(((self.block[0], br, self.shape[-2]),
+                                                    (self.block[1], bc, self.shape[-1]))):
+            axis = kinds.ndim - 2 + axis
+            if old % new == 0:
+                kinds = np.repeat(kinds, old // new, axis=axis)[_cut(kinds.ndim, axis, -(-length // new))]
+            elif new % old == 0:
+                kinds = _coarsen(kinds, axis, new // old)
+            else:
+                raise ValueError(f"the block mask's tiles {self.block} cannot be re-tiled to ({br}, {bc}): each "
+                                 f"size must divide the other; make it with block=({br}, {bc})")
+        return BlockMask(kinds, self.shape, (br, bc), self.mask_mod, self.mask, self.function)
+
+
+def _cut(ndim, axis, size):
+    index = [slice(None)] * ndim
+    index[axis] = slice(0, size)
+    return tuple(index)
+
+
+def _coarsen(kinds, axis, factor):
+    pad = (-kinds.shape[axis]) % factor
+    widths = [(0, 0)] * kinds.ndim
+    widths[axis] = (0, pad)
+    padded = np.pad(kinds, widths, constant_values=-1)  # -1: past the end, neither hiding nor showing
+    shape = padded.shape[:axis] + (padded.shape[axis] // factor, factor) + padded.shape[axis + 1:]
+    groups = padded.reshape(shape)
+    real = groups >= 0
+    hidden = ((groups == HIDDEN) | ~real).all(axis=axis + 1)
+    full = ((groups == FULL) | ~real).all(axis=axis + 1)
+    return np.where(hidden, HIDDEN, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+
+def _lists(chosen):
+    """(counts, indices) of the True entries along the last axis: counts (..., rows) int32, indices (..., rows,
+    cols) int32, each row's tiles first in ascending order, the rest of the row 0 (FlexAttention's layout)."""
+    counts = chosen.sum(axis=-1).astype(np.int32)
+    order = np.argsort(~chosen, axis=-1, kind="stable").astype(np.int32)
+    columns = np.arange(chosen.shape[-1])
+    return counts, np.where(columns < counts[..., None], order, 0).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building one
+
+
+def block_mask(mask_mod=None, batch_shape=(), n: Optional[int] = None, m: Optional[int] = None, *, mask=None,
+               block: Optional[Tuple[int, int]] = None) -> BlockMask:
+    """The BlockMask of mask_mod(*idx, i, j) over (*batch_shape, n, m), or of a dense boolean mask= (broadcastable
+    to (*batch, n, m); its own shape gives the batch, n and m when they are not given). block: (Br, Bc) tile
+    sizes, default (128, 128). Batch axes the pattern does not read are kept as size 1."""
+    br, bc = _check_block(block)
+    if (mask_mod is None) == (mask is None):
+        raise ValueError("block_mask: give a mask_mod or mask=, not both and not neither")
+    if mask is not None:
+        return _from_mask(np.asarray(mask) if not hasattr(mask, "__cuda_array_interface__") else mask, batch_shape,
+                          n, m, br, bc)
+    if n is None or m is None:
+        raise TypeError("block_mask: give n and m (the query and key lengths) with a mask_mod")
+    batch = _check_batch(batch_shape)
+    n, m = _check_length(n, "n"), _check_length(m, "m")
+    traced = mods.trace(mask_mod, "mask", len(batch))
+    return _from_mod(traced, batch, n, m, br, bc, mask_mod)
+
+
+def _check_block(block):
+    if block is None:
+        return DEFAULT_BLOCK
+    if not (isinstance(block, (tuple, list)) and len(block) == 2 and
+            all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1 for x in block)):
+        raise ValueError(f"block_mask: block must be a pair (Br, Bc) of positive ints, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _check_batch(batch_shape):
+    try:
+        batch = tuple(int(s) for s in batch_shape)
+    except TypeError:
+        raise TypeError(f"block_mask: batch_shape must be a tuple of ints, got {batch_shape!r}") from None
+    if any(s < 0 for s in batch):
+        raise ValueError(f"block_mask: batch_shape {batch} has a negative size")
+    return batch
+
+
+def _check_length(x, name):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+        raise ValueError(f"block_mask: {name} must be a non-negative int, got {x!r}")
+    return int(x)
+
+
+def _from_mod(traced, batch, n, m, br, bc, function):
+    own = tuple(size if axis in traced.batch_axes else 1 for axis, size in enumerate(batch))
+    xp = np
+    tables = mods.prepared_tables(traced, xp, np.dtype(np.float64))
+    rows, cols = -(-n // br), -(-m // bc)
+    kinds = np.zeros(own + (rows, cols), dtype=np.int8)
+    chunk = max(bc, EVALUATED_ELEMENTS // max(1, br) // bc * bc)
+    for entry in np.ndindex(*own):
+        batch_index = [np.asarray(x, dtype=np.int64) for x in entry]
+        for t in range(rows):
+            i0, i1 = t * br, min(n, (t + 1) * br)
+            i = np.arange(i0, i1, dtype=np.int64)[:, None]
+            for j0 in range(0, m, chunk):
+                j1 = min(m, j0 + chunk)
+                j = np.arange(j0, j1, dtype=np.int64)[None, :]
+                shown = np.broadcast_to(mods.evaluate(traced.expr, batch_index + [i, j], tables, np.float64,
+                                                      what="mask_mod"), (i1 - i0, j1 - j0))
+                kinds[entry + (t, slice(j0 // bc, -(-j1 // bc)))] = _kinds_of(shown, bc)
+    return BlockMask(kinds, own + (n, m), (br, bc), mask_mod=traced, function=function)
+
+
+def _kinds_of(shown, bc):
+    """The kind of each tile of Bc columns of one row of tiles (the last may be narrower)."""
+    rows, width = shown.shape
+    pad = (-width) % bc
+    any_ = np.pad(shown, ((0, 0), (0, pad)), constant_values=False).reshape(rows, -1, bc).any(axis=(0, 2))
+    all_ = np.pad(shown, ((0, 0), (0, pad)), constant_values=True).reshape(rows, -1, bc).all(axis=(0, 2))
+    return np.where(all_, FULL, np.where(any_, PARTIAL, HIDDEN)).astype(np.int8)
+
+
+def _from_mask(mask, batch_shape, n, m, br, bc):
+    if mask.dtype != np.bool_:
+        raise TypeError(f"block_mask: mask must be a boolean array (True = attend), got {mask.dtype}")
+    shape = (1,) * max(0, 2 - mask.ndim) + tuple(mask.shape)
+    mask = mask.reshape(shape)
+    n = shape[-2] if n is None else _check_length(n, "n")
+    m = shape[-1] if m is None else _check_length(m, "m")
+    if shape[-2] not in (1, n) or shape[-1] not in (1, m):
+        raise ValueError(f"block_mask: mask of shape {tuple(mask.shape)} does not broadcast to (n, m) = ({n}, {m})")
+    own = shape[:-2]
+    if batch_shape:
+        batch = _check_batch(batch_shape)
+        try:
+            np.broadcast_shapes(own, batch)
+        except ValueError:
+            raise ValueError(f"block_mask: mask of shape {tuple(mask.shape)} does not broadcast to the batch shape "
+                             f"{batch}") from None
+    rows, cols = -(-n // br), -(-m // bc)
+    kinds = np.zeros(own + (rows, cols), dtype=np.int8)
+    full = np.broadcast_to(mask, own + (n, m))
+    for entry in np.ndindex(*own):
+        for t in range(rows):
+            kinds[entry + (t,)] = _kinds_of(np.asarray(full[entry][t * br:(t + 1) * br]), bc)
+    return BlockMask(kinds, own + (n, m), (br, bc), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The block mask of a call's mask_mod, made once and kept
+
+
+_cache: "collections.OrderedDict[Any, BlockMask]" = collections.OrderedDict()
+CACHE_SIZE = 16
+
+
+def for_mod(traced, batch, n, m, block=DEFAULT_BLOCK) -> BlockMask:
+    """The block mask of a traced mask_mod for a call, kept by its expression, the call's sizes and the bytes of
+    the arrays it reads (new contents make a new one)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for a in traced.arrays:
+        a = mods.as_module_array(a, np)
+        digest.update(f"{a.dtype}{a.shape}".encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    key = (traced.key, tuple(batch), n, m, tuple(block), digest.hexdigest())
+    found = _cache.get(key)
+    if found is not None:
+        _cache.move_to_end(key)
+        return found
+    own = tuple(size if axis in traced.batch_axes else 1 for axis, size in enumerate(batch))
+    made = _from_mod(traced, own, n, m, block[0], block[1], None)
+    _cache[key] = made
+    if len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return made
+
+
+def entries(mask: BlockMask, batch) -> Iterator[Tuple[Tuple[int, ...], Tuple[Any, ...]]]:
+    """(entry of the block mask, the call's batch index it covers): an int where the mask has the axis, a slice
+    of every item where it shares it (size 1 against more)."""
+    lead = len(batch) - len(mask.batch)
+    own = (1,) * lead + mask.batch
+    for entry in np.ndindex(*own):
+        index = tuple(slice(None) if size == 1 and full != 1 else e for e, size, full in zip(entry, own, batch))
+        yield entry[lead:], index
