@@ -7,8 +7,8 @@ beside the equivalent dense mask= or bias= array, and beside plain attention.
 
 Patterns: 16 packed documents, a sliding window of 512 keys (also as window=), a 2-D neighbourhood (a 64 x 128
 image, radius 8), block-sparse layouts at densities 5% to 50% (time against density), soft-capping and ALiBi.
-Each time is the median of perf_counter timings of three calls after a warm-up one; the block mask's own build
-is timed apart (build_ms). Peak memory is tracemalloc's, of one call. Every result is compared with the dense
+Each time is the median of perf_counter timings of five calls after a warm-up one, the calls of a pattern
+(with mods, plain, dense) taking turns; the block mask's own build is timed apart (build_ms). Peak memory is tracemalloc's, of one call. Every result is compared with the dense
 call's (max abs difference). Targets: documents through mask_mod at least 8x faster than the dense mask, and
 softcap at most 1.6x the plain call. Output: results.json and results.md in --out.
 """
@@ -30,17 +30,20 @@ from cuflash import mods
 
 SCHEMA = "cuflash-bench-patterns/1"
 TARGETS = {"documents": ("mask_mod_speedup", ">=", 8.0), "softcap": ("plain_ratio", "<=", 1.6)}
-REPEATS = 3
+REPEATS = 5
 
 
-def median_time(call: Callable[[], object], repeats: int = REPEATS) -> float:
-    call()  # warm-up
-    times = []
+def median_times(*calls: Callable[[], object], repeats: int = REPEATS) -> List[float]:
+    """The median time of each call, the calls taking turns (so a slow spell of the machine falls on all)."""
+    for call in calls:
+        call()  # warm-up
+    times: List[List[float]] = [[] for _ in calls]
     for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        for call, kept in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            kept.append(time.perf_counter() - start)
+    return [float(np.median(kept)) for kept in times]
 
 
 def peak_bytes(call: Callable[[], object]) -> int:
@@ -93,13 +96,13 @@ def measure(name, modded, dense, q, k, v) -> dict:
         record["density"] = made.density
         call = dict(block_mask=made)
     with_mods = lambda: cuflash.attention(q, k, v, **call)  # noqa: E731
-    record["time_ms"] = 1e3 * median_time(with_mods)
-    record["peak_mib"] = peak_bytes(with_mods) / 2**20
     reference = plain if dense is None else (lambda: cuflash.attention(q, k, v, **dense))
-    record["plain_ms"] = 1e3 * median_time(plain)
+    timed = median_times(with_mods, plain, *(() if dense is None else (reference,)))
+    record["time_ms"], record["plain_ms"] = 1e3 * timed[0], 1e3 * timed[1]
+    record["peak_mib"] = peak_bytes(with_mods) / 2**20
     record["plain_ratio"] = record["time_ms"] / record["plain_ms"]
     if dense is not None:
-        record["dense_ms"] = 1e3 * median_time(reference)
+        record["dense_ms"] = 1e3 * timed[2]
         record["dense_peak_mib"] = peak_bytes(reference) / 2**20
         record["mask_mod_speedup"] = record["dense_ms"] / record["time_ms"]
         expected = reference()

@@ -752,7 +752,8 @@ def alibi(slopes, offset: int = 0):
     it differs from slopes[h] * (j - i) by a constant per row, which the softmax cancels."""
     def alibi_mod(score, *idx):
         batch, i, j = _split(idx)
-        return score - slopes[tuple(batch[len(batch) - len(slopes.shape):])] * np.abs(i + offset - j)
+        distance = np.abs(i - j) if offset == 0 else np.abs(i + offset - j)
+        return score - slopes[tuple(batch[len(batch) - len(slopes.shape):])] * distance
     return alibi_mod
 
 

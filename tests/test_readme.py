@@ -4,6 +4,8 @@ drift from the code, nor show a result the reference disagrees with."""
 import pathlib
 import re
 
+import numpy as np
+
 import cuflash
 from reference import assert_accurate
 
@@ -30,7 +32,26 @@ def test_readme_examples_run_and_are_right(monkeypatch):
     assert calls, "no README example calls cuflash.attention"
     for q, k, v, kw, result in calls:
         out, lse = result if kw.get("return_lse") else (result, None)
+        if any(kw.get(key) is not None for key in PATTERNS):
+            check_pattern_call(q, k, v, kw, out, lse)
+            continue
         assert_accurate(out, q, k, v, lse=lse, **{key: kw[key] for key in OPTIONS if key in kw})
+
+
+PATTERNS = ("score_mod", "mask_mod", "block_mask", "sinks")
+
+
+def check_pattern_call(q, k, v, kw, out, lse):
+    """A call with mods against the same functions evaluated densely on the whole grid (test_mods' reference)."""
+    from test_mods import assert_close, dense_reference
+
+    mask_mod = kw.get("mask_mod") or (kw["block_mask"].function if kw.get("block_mask") is not None else None)
+    expected, expected_lse = dense_reference(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                             score_mod=kw.get("score_mod"), mask_mod=mask_mod,
+                                             sinks=kw.get("sinks"), causal=kw.get("causal", False))
+    assert_close(out, expected, np.float32)
+    if lse is not None:
+        assert_close(lse, expected_lse, np.float32)
 
 
 def test_architecture_section_names_files_that_exist():
