@@ -8,7 +8,8 @@ beside the equivalent dense mask= or bias= array, and beside plain attention.
 Patterns: 16 packed documents, a sliding window of 512 keys (also as window=), a 2-D neighbourhood (a 64 x 128
 image, radius 8), block-sparse layouts at densities 5% to 50% (time against density), soft-capping and ALiBi.
 Each time is the median of perf_counter timings of five calls after a warm-up one, the calls of a pattern
-(with mods, plain, dense) taking turns; the block mask's own build is timed apart (build_ms). Peak memory is tracemalloc's, of one call. Every result is compared with the dense
+(with mods, plain, dense) taking turns; the block mask's own build is timed apart
+(build_ms). Peak memory is tracemalloc's, of one call. Every result is compared with the dense
 call's (max abs difference). Targets: documents through mask_mod at least 8x faster than the dense mask, and
 softcap at most 1.6x the plain call. Output: results.json and results.md in --out.
 """
