@@ -104,7 +104,37 @@ class Expr:
     def __abs__(self): return unary("absolute", self)
     def __invert__(self): return unary("invert", self)
 
-    def astype(self, dtype, copy: bool = True) -> "Expr":  # noqa: ARG002 (NumPy's signature)
+    # torch's spellings (a mod written for torch.nn.attention.flex_attention traces unchanged)
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        return _torch_call(func, args, kwargs or {})
+
+    def abs(self): return unary("absolute", self)
+    def exp(self): return unary("exp", self)
+    def log(self): return unary("log", self)
+    def sqrt(self): return unary("sqrt", self)
+    def tanh(self): return unary("tanh", self)
+    def float(self): return cast(self, "float")
+    def double(self): return cast(self, "float")
+    def long(self): return cast(self, "int")
+    def int(self): return cast(self, "int")
+    def bool(self): return cast(self, "bool")
+    def clamp(self, min=None, max=None): return clip(self, min, max)  # noqa: A002 (torch's names)
+    def type(self, dtype): return self.astype(dtype)
+    device = None  # an expression lives wherever the call runs: .to(x.device) keeps it as it is
+
+    def to(self, *args, **kwargs):
+        """.to(dtype) casts; .to(device) (or None, an Expr's device) is the expression itself."""
+        dtype = kwargs.get("dtype", next((a for a in args if kind_of_dtype_or_none(a)), None))
+        return self if dtype is None else self.astype(dtype)
+
+    def new_ones(self, shape=(), dtype=None, **kwargs):  # a number: torch's mask functions start from one
+        return cast(const(1), kind_of_dtype_or_none(dtype) or self.kind)
+
+    def new_zeros(self, shape=(), dtype=None, **kwargs):
+        return cast(const(0), kind_of_dtype_or_none(dtype) or self.kind)
+
+    def astype(self, dtype, copy=True) -> "Expr":  # noqa: ARG002 (NumPy's signature)
         """The value as dtype's kind: an integer type computes in int64, a floating type in the accumulation
         type, bool is `!= 0`."""
         kind = kind_of_dtype(dtype)
@@ -170,6 +200,52 @@ _UFUNC_ALIASES = {"divide": "true_divide", "abs": "absolute", "fmin": "minimum",
                   "mod": "remainder"}
 
 
+_TORCH_NAMES = {"neg": "negative", "abs": "absolute", "sub": "subtract", "mul": "multiply", "div": "true_divide",
+                "true_divide": "true_divide", "fmod": "remainder", "pow": "power", "fmin": "minimum",
+                "fmax": "maximum", "eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
+                "gt": "greater", "ge": "greater_equal", "bitwise_not": "invert", "rsqrt": None}
+
+
+def _torch_call(func, args, kwargs):
+    """A torch function or Tensor method applied to Exprs, as the NumPy ufunc of the same meaning."""
+    name = getattr(func, "__name__", str(func)).strip("_")
+    name = {"radd": "add", "rsub": "rsub", "rmul": "multiply", "rtruediv": "rtruediv", "and": "bitwise_and",
+            "or": "bitwise_or", "xor": "bitwise_xor", "invert": "invert", "truediv": "true_divide",
+            "floordiv": "floor_divide", "mod": "remainder"}.get(name, name)
+    if name == "rsub":
+        return binary("subtract", args[1], args[0])
+    if name == "rtruediv":
+        return binary("true_divide", args[1], args[0])
+    if name == "where" and len(args) == 3:
+        return where(*args)
+    if name in ("clamp", "clip"):
+        return clip(args[0], kwargs.get("min", args[1] if len(args) > 1 else None),
+                    kwargs.get("max", args[2] if len(args) > 2 else None))
+    if name in ("sigmoid",):
+        return binary("true_divide", 1.0, binary("add", 1.0, unary("exp", unary("negative", args[0]))))
+    if name in ("to", "type", "float", "long", "int", "double", "bool"):
+        return getattr(const(args[0]), name)(*args[1:])
+    name = _TORCH_NAMES.get(name, name)
+    if kwargs:
+        raise TraceError(f"mods: torch.{name} with keywords {sorted(kwargs)} is not supported in a mod")
+    if name in UNARY and len(args) == 1:
+        return unary(name, args[0])
+    if name in BINARY and len(args) == 2:
+        return binary(name, *args)
+    raise TraceError(f"mods: torch.{getattr(func, '__name__', func)} is not supported in a mod; use arithmetic, "
+                     f"torch.where, torch.clamp or the elementwise functions")
+
+
+def kind_of_dtype_or_none(x) -> Optional[str]:
+    """The kind of x when x is a dtype (NumPy's or torch's), else None (a device, a string naming one)."""
+    if x is None or isinstance(x, str) or type(x).__name__ == "device":
+        return None
+    try:
+        return kind_of_dtype(x)
+    except Exception:  # not a dtype at all
+        return None
+
+
 def kind_of_dtype(dtype) -> Optional[str]:
     try:
         char = np.dtype(dtype).kind
@@ -187,6 +263,8 @@ def const(x) -> Expr:
         return x
     if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "biuf":
         x = x[()]  # a number NumPy computed while tracing (np.abs(3)), not a captured array: those are Tables
+    elif type(x).__module__.startswith("torch") and getattr(x, "ndim", None) == 0:
+        x = x.item()  # likewise a 0-d tensor made while tracing
     if isinstance(x, (bool, np.bool_)):
         return Expr("const", (), "bool", bool(x))
     if isinstance(x, (numbers.Integral, np.integer)):
@@ -390,6 +468,27 @@ class _Capture:
         new.__kwdefaults__ = fn.__kwdefaults__
         self._functions[id(fn)] = new
         return new
+
+
+def captured(fn) -> List[Tuple[str, Any]]:
+    """(name, value) of what a function closes over: closure cells, defaults and the global names it reads (and
+    what the functions among them close over)."""
+    found: List[Tuple[str, Any]] = []
+    seen: set = set()
+
+    def visit(f):
+        if not isinstance(f, types.FunctionType) or id(f) in seen:
+            return
+        seen.add(id(f))
+        values = [(name, _contents(c)) for name, c in zip(f.__code__.co_freevars, f.__closure__ or ()) if _filled(c)]
+        values += [("a default argument", x) for x in f.__defaults__ or ()]
+        values += [(name, f.__globals__[name]) for name in _global_names(f.__code__) if name in f.__globals__]
+        for name, value in values:
+            for x in value if isinstance(value, (tuple, list)) else (value,):
+                found.append((name, x))
+                visit(x)
+    visit(fn)
+    return found
 
 
 def _filled(cell) -> bool:

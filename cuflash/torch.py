@@ -17,12 +17,13 @@ returned, is not differentiable.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from . import api
+from . import api, mods
+from .blockmask import BlockMask
 from .dtypes import bfloat16, common_dtype
 
 __all__ = ["attention", "register_with_transformers", "transformers_attention"]
@@ -32,15 +33,71 @@ NAME = "cuflash.torch.attention"
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
               causal: bool = False, window: Optional[Tuple[Optional[int], Optional[int]]] = None,
-              mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, return_lse: bool = False,
-              precision: Optional[str] = None):
+              mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+              score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
+              block_mask: Optional[BlockMask] = None, sinks: Optional[torch.Tensor] = None,
+              return_lse: bool = False, precision: Optional[str] = None):
     """cuflash.attention with the same keywords, on torch tensors (all on one device); differentiable in q, k,
-    v and bias (the backward runs with the same precision). Returns out, or (out, lse) with return_lse=True."""
+    v, bias and sinks (the backward runs with the same precision). score_mod and mask_mod may be written with
+    torch's operations over the tensors they close over (a mod written for flex_attention works unchanged); such
+    calls run as an autograd function rather than the custom operators (a function is no operator argument).
+    Returns out, or (out, lse) with return_lse=True."""
     left, right = (None, None) if window is None else window
     scale = None if scale is None else float(scale)
     precision = api.check_precision(precision, None, NAME)  # refused here, traced or not; the dtype's rule in the op
-    out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right, precision)
+    if score_mod is not None or mask_mod is not None or block_mask is not None or sinks is not None:
+        patterns = (score_mod, mask_mod, block_mask)
+        check_no_mod_grads(patterns)
+        out, lse = PatternAttention.apply(q, k, v, mask, bias, sinks, patterns,
+                                          (scale, bool(causal), left, right, precision))
+    else:
+        out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right,
+                                                       precision)
     return (out, lse) if return_lse else out
+
+
+def check_no_mod_grads(patterns) -> None:
+    """Gradients to the tensors a mod closes over are not computed yet: one that asks for them is an error, not a
+    gradient silently left at None."""
+    for fn in patterns[:2]:
+        if fn is None:
+            continue
+        for arg, value in mods.captured(fn):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise ValueError(f"{NAME}: the mod {getattr(fn, '__name__', fn)} closes over {arg}, a tensor that "
+                                 f"requires grad; gradients to the tensors a mod reads are not computed yet: pass "
+                                 f"{arg}.detach(), or a learnable bias as bias=")
+
+
+class PatternAttention(torch.autograd.Function):
+    """attention with mods, sinks or a block mask: the front door forward and backward, by tensors' arrays."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, sinks, patterns, params):
+        scale, causal, left, right, precision = params
+        keywords = dict(options(mask, bias, scale, causal, left, right, precision), score_mod=patterns[0],
+                        mask_mod=patterns[1], block_mask=patterns[2], sinks=to_array(sinks))
+        with on_stream(q.device):
+            out, lse = api.attention(to_array(q), to_array(k), to_array(v), return_lse=True, **keywords)
+        out, lse = to_tensor(out, q.device), to_tensor(lse, q.device)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, mask, bias, sinks, out, lse)
+        ctx.keywords = keywords
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, bias, sinks, out, lse = ctx.saved_tensors
+        bias_grad = bias is not None and ctx.needs_input_grad[4]
+        keywords = dict(ctx.keywords, mask=to_array(mask), bias=to_array(bias), sinks=to_array(sinks))
+        with on_stream(q.device):
+            grads = api.attention_backward(to_array(dout.contiguous()), to_array(q), to_array(k), to_array(v),
+                                           to_array(out), to_array(lse), bias_grad=bias_grad, **keywords)
+        grads = [to_tensor(g, q.device) for g in grads]
+        dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+        dbias = grads[3].to(bias.dtype) if bias_grad else None
+        dsinks = grads[-1].to(sinks.dtype).reshape(sinks.shape) if sinks is not None else None
+        return dq, dk, dv, None, dbias, dsinks, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -48,40 +105,84 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
 
 
 def register_with_transformers(name: str = "cuattention") -> str:
-    """Make cuflash an attention implementation of Hugging Face transformers under `name`, with masks prepared
-    as for "sdpa" (booleans, or none where causal alone says it): then
-    AutoModel.from_pretrained(..., attn_implementation=name) runs its attention through cuflash. (transformers
+    """Make cuflash an attention implementation of Hugging Face transformers under `name`: then
+    AutoModel.from_pretrained(..., attn_implementation=name) runs its attention through cuflash. Its mask
+    interface builds no mask: it hands transformers' own mask function (padding, causal, sliding windows, packed
+    sequences, ...) to the attention as a mask_mod (ModMask), or None where causal alone says it. (transformers
     takes any name containing "flash" for a FlashAttention kernel of its hub, hence not "cuflash".)"""
     if "flash" in name:
         raise ValueError(f"{NAME}: transformers takes an attention implementation named {name!r} for a "
                          f"FlashAttention kernel of its hub; choose a name without 'flash'")
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
     AttentionInterface.register(name, transformers_attention)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, transformers_mask)
     return name
+
+
+class ModMask:
+    """What transformers_mask hands the attention instead of a (batch, 1, n, m) mask: transformers' mask function
+    of (batch, head, query position, key position) and the positions of the call's first query and key."""
+
+    def __init__(self, mask_function, q_offset: int, kv_offset: int, shape):
+        self.mask_function, self.q_offset, self.kv_offset, self.shape = mask_function, q_offset, kv_offset, shape
+        self.dtype = torch.bool
+        self.device = torch.device("cpu")
+
+    def mask_mod(self):
+        """The mask_mod of the attention's (batch, kv head, group, i, j) indices (transformers' masks have one
+        head: index 0; their positions start at the offsets)."""
+        fn, q0, k0 = self.mask_function, self.q_offset, self.kv_offset
+
+        def transformers_mask_mod(b, kv_head, group, i, j):
+            return fn(b, 0, i + q0, j + k0)
+        return transformers_mask_mod
+
+
+def transformers_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                      mask_function: Optional[Callable] = None, attention_mask: Optional[torch.Tensor] = None,
+                      local_size: Optional[int] = None, allow_is_causal_skip: bool = True,
+                      allow_is_bidirectional_skip: bool = False, **kwargs):
+    """transformers' mask interface ("sdpa"'s signature): None where causal alone (or nothing) says it, as sdpa's
+    mask does; else a ModMask of the mask function with the padding ANDed in, never an (n, m) array."""
+    from transformers import masking_utils as mu
+    padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if allow_is_causal_skip and mu._ignore_causal_mask_sdpa(padding, q_length, kv_length, q_offset, kv_offset,
+                                                            local_size):
+        return None
+    if allow_is_bidirectional_skip and mu._ignore_bidirectional_mask_sdpa(padding, kv_length, local_size):
+        return None
+    function = mask_function or mu.causal_mask_function
+    if padding is not None:
+        function = mu.and_masks(function, mu.padding_mask_function(padding.bool()))
+    return ModMask(function, q_offset, kv_offset, (batch_size, 1, q_length, kv_length))
 
 
 def transformers_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                            scaling: Optional[float] = None, is_causal: Optional[bool] = None,
-                           position_bias: Optional[torch.Tensor] = None, **kwargs):
+                           position_bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                           s_aux: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None, **kwargs):
     """The attention function transformers calls (its "sdpa" contract): query (batch, heads, n, d), key and value
     (batch, kv_heads, m, d) with heads a multiple of kv_heads (grouped-query attention by broadcasting, never
-    repeated), attention_mask boolean (True = attend) or additive, or None with causal from is_causal or the
-    module; position_bias added to the scores. Returns (batch, n, heads, e) and no weights."""
+    repeated); attention_mask a ModMask (transformers_mask's: the mask function as a mask_mod), boolean (True =
+    attend) or additive, or None with causal from is_causal or the module (and sliding_window as window=);
+    position_bias added to the scores; softcap as score_mod (cap tanh(s / cap), before any mask); s_aux one sink
+    per head. Returns (batch, n, heads, e) and no weights."""
     if dropout and module.training:
         raise ValueError(f"{NAME}: attention dropout ({dropout}) is not supported; set the model's attention "
                          f"dropout to 0 or call model.eval()")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{NAME}: logit soft-capping is not supported")
     n, heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
+    modded = isinstance(attention_mask, ModMask)
+    tensor_mask = None if modded else attention_mask
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(n > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > n:  # as sdpa: a prefill into an empty static cache aligns top-left
         key, value = key[:, :, :n], value[:, :, :n]
         position_bias = None if position_bias is None else position_bias[..., :n]
-    mask = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
-    bias = attention_mask if attention_mask is not None and mask is None else None
+    mask = tensor_mask if tensor_mask is not None and tensor_mask.dtype == torch.bool else None
+    bias = tensor_mask if tensor_mask is not None and mask is None else None
+    if softcap is not None and (bias is not None or position_bias is not None):
+        raise ValueError(f"{NAME}: softcap with an additive attention mask or position bias: transformers caps the "
+                         f"scores before adding them, cuflash after; pass a boolean mask")
     if position_bias is not None:
         bias = position_bias if bias is None else position_bias + bias
     groups = heads // kv_heads
@@ -92,8 +193,12 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
             return None if x is None else (x.unsqueeze(1) if x.dim() == 4 else x)
         return x.reshape(x.shape[0], kv_heads, groups, *x.shape[2:])
 
-    out = attention(grouped, key.unsqueeze(2), value.unsqueeze(2), scale=scaling, causal=causal,
-                    mask=per_group(mask), bias=per_group(bias))
+    window = (sliding_window - 1, 0) if sliding_window is not None and causal else None  # i - j < sliding_window
+    sinks = None if s_aux is None else s_aux.reshape(kv_heads, groups)
+    out = attention(grouped, key.unsqueeze(2), value.unsqueeze(2), scale=scaling, causal=causal, window=window,
+                    mask=per_group(mask), bias=per_group(bias),
+                    mask_mod=attention_mask.mask_mod() if modded else None,
+                    score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=sinks)
     return out.reshape(out.shape[0], heads, n, out.shape[-1]).transpose(1, 2).contiguous(), None
 
 

@@ -199,3 +199,97 @@ def test_cuda_tensors_train_on_the_kernels(dtype):
     assert all(x.grad.device == q.device and x.grad.shape == x.shape for x in (q, k, v))
     grads = [as_numpy(x.grad.cpu()) for x in (q, k, v)]
     assert_grads_accurate(grads, as_numpy(dout.cpu()), *(as_numpy(x) for x in cpu), causal=True)
+
+
+def transformers_pair_eager(config_cls, model_cls, **config):
+    """As transformers_pair, against transformers' eager attention (the models sdpa does not serve: softcap)."""
+    pytest.importorskip("transformers")
+    name = ct.register_with_transformers()
+    torch.manual_seed(0)
+    reference = model_cls(config_cls(**config, attn_implementation="eager")).eval()
+    ours = model_cls(config_cls(**config, attn_implementation="eager")).eval()
+    ours.load_state_dict(reference.state_dict())
+    ours.set_attn_implementation(name)
+    return ours, reference
+
+
+def run_and_compare(ours, reference, ids, attention_mask, calls, layers):
+    """Logits of the unpadded tokens and every parameter's gradient, ours against the reference; then greedy
+    generation with a cache."""
+    keep = attention_mask.bool()
+    results = []
+    for model in (ours, reference):
+        logits = model(input_ids=ids, attention_mask=attention_mask).logits
+        (logits[keep] ** 2).mean().backward()
+        results.append((logits[keep].detach(), [p.grad.clone() for p in model.parameters()]))
+    assert len(calls) == layers
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
+    for got, want in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.generate(ids[:1], max_new_tokens=4, do_sample=False),
+                                   reference.generate(ids[:1], max_new_tokens=4, do_sample=False))
+
+
+def test_a_gemma2_with_soft_capping_and_sliding_windows(calls):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    ours, reference = transformers_pair_eager(
+        Gemma2Config, Gemma2ForCausalLM, vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=6,
+        attn_logit_softcapping=0.05, final_logit_softcapping=None, layer_types=["sliding_attention",
+                                                                                 "full_attention"])
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(5))
+    attention_mask = torch.ones(2, 21, dtype=torch.long)
+    attention_mask[1, :4] = 0  # left padding
+    run_and_compare(ours, reference, ids, attention_mask, calls, layers=2)
+
+
+def test_a_gpt_oss_with_sinks_and_sliding_windows(calls):
+    from transformers import GptOssConfig, GptOssForCausalLM
+    ours, reference = transformers_pair_eager(
+        GptOssConfig, GptOssForCausalLM, vocab_size=97, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5,
+        num_local_experts=2, num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"])
+    with torch.no_grad():
+        for model in (ours, reference):
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1, 1, 4))  # nonzero sinks: their gradient counts
+    ids = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(6))
+    attention_mask = torch.ones(2, 17, dtype=torch.long)
+    attention_mask[0, :3] = 0
+    run_and_compare(ours, reference, ids, attention_mask, calls, layers=2)
+
+
+def test_flex_attention_style_mods_and_sinks_train():
+    """Mods written with torch over torch tensors, as for flex_attention, and learnable sinks: outputs and
+    gradients against autograd of the dense formula; a learnable tensor inside a mod is refused, not ignored."""
+    torch.manual_seed(0)
+    b, h, n, d = 2, 4, 33, 8
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(h, dtype=torch.float64, requires_grad=True)
+    table = torch.randn(h, 2 * n - 1, dtype=torch.float64)
+    document = torch.tensor([0] * 16 + [1] * 17)
+
+    def relative(score, b_, h_, q_idx, kv_idx):
+        return torch.tanh((score + table[h_, q_idx - kv_idx + n - 1]) / 5) * 5
+
+    def same_document_causal(b_, h_, q_idx, kv_idx):
+        return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+    out = ct.attention(q, k, v, score_mod=relative, mask_mod=same_document_causal, sinks=sinks)
+    out.square().sum().backward()
+    got = [x.grad.clone() for x in (q, k, v, sinks)]
+    for x in (q, k, v, sinks):
+        x.grad = None
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    scores = torch.tanh((q @ k.transpose(-1, -2) / d ** 0.5 + table[:, i - j + n - 1]) / 5) * 5
+    scores = scores.masked_fill(~((document[:, None] == document[None, :]) & (i >= j)), -float("inf"))
+    weights = torch.softmax(torch.cat([scores, sinks[None, :, None, None].expand(b, h, n, 1)], -1), -1)
+    expected = weights[..., :n] @ v
+    torch.testing.assert_close(out, expected)
+    expected.square().sum().backward()
+    for g, x in zip(got, (q, k, v, sinks)):
+        torch.testing.assert_close(g, x.grad)
+    table.requires_grad_(True)
+    with pytest.raises(ValueError, match="closes over table, a tensor that requires grad"):
+        ct.attention(q, k, v, score_mod=relative)
