@@ -23,7 +23,8 @@ from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from . import api
+from . import api, blockmask, mods
+from .blockmask import BlockMask
 from .dtypes import acc_dtype_of
 from .merging import array_module, merge
 from .problem import Window
@@ -31,8 +32,9 @@ from .problem import Window
 NAME = "cuflash.dask.attention"
 
 
-def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None, return_lse=False,
-              backend=None, block=None, precision: Optional[str] = None, split_every: Optional[int] = None):
+def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None, score_mod=None,
+              mask_mod=None, block_mask=None, sinks=None, return_lse=False, backend=None, block=None,
+              precision: Optional[str] = None, split_every: Optional[int] = None):
     """cuflash.attention on Dask arrays (any operand may also be a NumPy or CuPy array): lazy, returns a Dask
     array (and the lse with return_lse=True) chunked as q along the query axis, and along each batch axis as the
     common refinement of the operands' chunks there.
@@ -42,7 +44,9 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     config "split_every", else 4). Key chunks that the window or causal= hide from a whole query chunk make no
     task. The head dims d and e are rechunked to one chunk each, the key axis of v, mask and bias to k's chunks,
     and the query axis of mask and bias to q's. Each task runs the backend its chunks' type picks (NumPy chunks:
-    numpy, CuPy chunks: cupy) unless backend= forces one."""
+    numpy, CuPy chunks: cupy) unless backend= forces one. score_mod and mask_mod see global indices (each task's
+    chunk offsets added); a chunk pair a block mask (block_mask=, made from a mask_mod) hides makes no task; the
+    sinks join each query chunk's merged result once."""
     return_lse = api.check_flag(return_lse, "return_lse")
     operands = [as_dask(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (bias, "bias"))]
     batch, n, m, d, e, dtype = api.core_sizes(*operands)
@@ -51,7 +55,9 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     settings = dict(scale=api.check_scale(scale, d), backend=backend, block=block,
                     precision=api.check_precision(precision, dtype, NAME))
     chunked = Chunked.of(operands, batch)
-    graph = Graph(chunked, n, m, api.visibility_window(window, causal), settings, merge_fan_in(split_every))
+    patterns = Patterns.of(score_mod, mask_mod, block_mask, sinks, batch, n, m, dtype, xp)
+    graph = Graph(chunked, n, m, api.visibility_window(window, causal), settings, merge_fan_in(split_every),
+                  patterns)
     out, lse = graph.arrays(dtype)
     return (out, lse) if return_lse else out
 
@@ -75,6 +81,73 @@ def merge_fan_in(split_every):
         raise ValueError(f"{NAME}: split_every must be an int of at least 2 (partial results per merge task), "
                          f"got {fan_in!r}")
     return int(fan_in)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Patterns: mods with global indices, the sinks, the block mask's pruning
+
+
+class Patterns:
+    """score_mod and mask_mod (traced once here, so a mod that cannot be traced fails at once), the sinks
+    broadcast to the batch (in the accumulation type) and the block mask, as the graph uses them."""
+
+    def __init__(self, score_mod, mask_mod, block_mask, sinks):
+        self.score_mod, self.mask_mod, self.block_mask, self.sinks = score_mod, mask_mod, block_mask, sinks
+
+    @classmethod
+    def of(cls, score_mod, mask_mod, block_mask, sinks, batch, n, m, dtype, xp):
+        for fn, kind in ((score_mod, "score"), (mask_mod, "mask")):
+            if fn is not None:
+                mods.trace(fn, kind, len(batch))
+        if block_mask is not None:
+            if not isinstance(block_mask, BlockMask):
+                raise TypeError(f"{NAME}: block_mask must be a cuflash.BlockMask, got {type(block_mask).__name__}")
+            block_mask.check_for(batch, n, m, NAME)
+            if block_mask.function is None:
+                raise TypeError(f"{NAME}: a block mask made from mask= cannot be split into chunks; pass the "
+                                f"mask as mask= (a Dask array), or make the block mask from a mask_mod")
+            if mask_mod is not None and mask_mod is not block_mask.function:
+                raise ValueError(f"{NAME}: block_mask= was made from another mask_mod than mask_mod=")
+            mask_mod = block_mask.function
+        if sinks is not None:
+            sinks = api.pattern_fields(api.Patterns(sinks=sinks), batch, n, m, dtype, xp)["sinks"]
+        return cls(score_mod, mask_mod, block_mask, sinks)
+
+    def shown(self, block_starts, block_shape, rows, cols) -> bool:
+        """Whether the block mask shows any tile of the batch block's items x rows x cols (True without one)."""
+        if self.block_mask is None:
+            return True
+        bm = self.block_mask
+        lead = len(block_starts) - len(bm.batch)
+        index = tuple(slice(0, 1) if size == 1 else slice(start, start + count)
+                      for start, count, size in zip(block_starts[lead:], block_shape[lead:], bm.batch))
+        br, bc = bm.block
+        tiles = bm.kinds[index][..., rows[0] // br:-(-rows[1] // br), cols[0] // bc:-(-cols[1] // bc)]
+        return bool((tiles != blockmask.HIDDEN).any())
+
+    def for_pair(self, block_starts, i0, j0):
+        """The mods of one chunk pair's task: the indices it sees shifted to the global ones."""
+        return {"score_mod": shifted(self.score_mod, True, block_starts, i0, j0),
+                "mask_mod": shifted(self.mask_mod, False, block_starts, i0, j0)}
+
+    def sinks_of(self, block_starts, block_shape):
+        if self.sinks is None:
+            return None
+        return self.sinks[tuple(slice(s, s + c) for s, c in zip(block_starts, block_shape))]
+
+
+def shifted(fn, takes_score, block_starts, i0, j0):
+    """fn of a chunk pair's local indices, calling it with the global ones (offsets of 0 left out, so that
+    chunks at the origin trace the function's own expression)."""
+    if fn is None:
+        return None
+    starts = tuple(block_starts) + (i0, j0)
+
+    def move(idx):
+        return tuple(x if start == 0 else x + start for x, start in zip(idx, starts))
+    if takes_score:
+        return lambda score, *idx: fn(score, *move(idx))
+    return lambda *idx: fn(*move(idx))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,6 +196,10 @@ class Chunked:
     def block_batch_shape(self, batch_index):
         return tuple(chunks[i] for chunks, i in zip(self.batch_chunks, batch_index))
 
+    def block_starts(self, batch_index):
+        """The global index of the batch block's first item along each batch axis."""
+        return tuple(sum(chunks[:i]) for chunks, i in zip(self.batch_chunks, batch_index))
+
 
 def pad_batch(x, rank):
     """x with leading size-1 axes up to `rank` batch axes (a mask or bias of fewer than 2 dims padded to 2)."""
@@ -145,9 +222,12 @@ def rechunk(x, batch_chunks, rows, cols):
 class Graph:
     """Tasks per batch block and query chunk: one per visible key chunk, a tree of merges, and the result."""
 
-    def __init__(self, chunked: Chunked, n: int, m: int, window: Window, settings: Dict[str, Any], fan_in: int):
+    def __init__(self, chunked: Chunked, n: int, m: int, window: Window, settings: Dict[str, Any], fan_in: int,
+                 patterns: Patterns):
         self.c, self.n, self.m, self.window, self.settings, self.fan_in = chunked, n, m, window, settings, fan_in
-        token = tokenize(*chunked.present, n, m, window, settings, fan_in)
+        self.patterns = patterns
+        token = tokenize(*chunked.present, n, m, window, settings, fan_in, patterns.score_mod, patterns.mask_mod,
+                         patterns.sinks)
         self.parts_name = f"cuflash-attention-parts-{token}"
         self.out_name = f"cuflash-attention-{token}"
         self.lse_name = f"cuflash-attention-lse-{token}"
@@ -175,10 +255,11 @@ class Graph:
     def result_of(self, b, i, start, size, dtype):
         """The key of (out, lse) for batch block b and query chunk i: its parts merged, cast to dtype."""
         parts = self.visible_parts(b, i, start, size)
+        sinks = self.patterns.sinks_of(self.c.block_starts(b), self.c.block_batch_shape(b))
         if not parts:
             shape = self.c.block_batch_shape(b) + (size,)
             key = (self.parts_name, "hidden") + b + (i,)
-            task = functools.partial(hidden_rows, shape=shape, e=self.c.v.shape[-1], dtype=dtype)
+            task = functools.partial(hidden_rows, shape=shape, e=self.c.v.shape[-1], dtype=dtype, sinks=sinks)
             self.parts[key] = (task, self.c.key(self.c.q, b, i, 0))
             return key
         level = 0
@@ -194,7 +275,7 @@ class Graph:
                 parts.append(key)
             level += 1
         key = (self.parts_name, "result") + b + (i,)
-        self.parts[key] = (functools.partial(finish, dtype=dtype), parts[0])
+        self.parts[key] = (functools.partial(finish, dtype=dtype, sinks=sinks), parts[0])
         return key
 
     def visible_parts(self, b, i, start, size):
@@ -202,14 +283,18 @@ class Graph:
         first, last = self.window.key_range(start, start + size, self.n, self.m)
         keys = []
         cols = self.c.k.chunks[-2]
+        starts, shape = self.c.block_starts(b), self.c.block_batch_shape(b)
         for j, (col, width) in enumerate(zip(offsets(cols), cols)):
             if size == 0 or width == 0 or col + width <= first or col >= last:
+                continue
+            if not self.patterns.shown(starts, shape, (start, start + size), (col, col + width)):
                 continue
             key = (self.parts_name, "pair") + b + (i, j)
             sides = self.local_window(start, size, col, width)
             c = self.c
             # constants go in a partial: a tuple among a task's arguments could read as a key or a task
-            task = functools.partial(attend_pair, window=sides, settings=self.settings)
+            task = functools.partial(attend_pair, window=sides, settings=self.settings,
+                                     patterns=self.patterns.for_pair(starts, start, col))
             self.parts[key] = (task, c.key(c.q, b, i, 0), c.key(c.k, b, j, 0), c.key(c.v, b, j, 0),
                                c.key(c.mask, b, i, j), c.key(c.bias, b, i, j))
             keys.append(key)
@@ -246,9 +331,9 @@ def offsets(chunks):
 # Tasks
 
 
-def attend_pair(q, k, v, mask, bias, window, settings):
+def attend_pair(q, k, v, mask, bias, window, settings, patterns):
     """(out, lse) of a query chunk over one key chunk, out in the accumulation type for the merges."""
-    out, lse = api.attention(q, k, v, mask=mask, bias=bias, window=window, return_lse=True, **settings)
+    out, lse = api.attention(q, k, v, mask=mask, bias=bias, window=window, return_lse=True, **settings, **patterns)
     return out.astype(lse.dtype, copy=False), lse
 
 
@@ -256,12 +341,24 @@ def merge_parts(parts):
     return merge([out for out, _ in parts], [lse for _, lse in parts])
 
 
-def finish(part, dtype):
+def finish(part, dtype, sinks=None):
+    """The merged (out, lse) of a query chunk in dtype; with sinks, the sink joins it once: lse' = log(exp(lse) +
+    exp(sink)), and out, which the sink adds no value to, is weighted by exp(lse - lse')."""
     out, lse = part
+    if sinks is not None:
+        xp = array_module([out])
+        total = xp.logaddexp(lse, sinks[..., None].astype(lse.dtype))
+        with np.errstate(invalid="ignore"):
+            weight = xp.where(total == -np.inf, 0, xp.exp(lse - total))
+        out, lse = out * weight[..., None], total
     return out.astype(dtype, copy=False), lse
 
 
-def hidden_rows(q, shape, e, dtype):
-    """A query chunk that sees no key: output 0 and lse -inf, as attention gives, in q's array module."""
+def hidden_rows(q, shape, e, dtype, sinks=None):
+    """A query chunk that sees no key: output 0 and lse -inf (the sink's logit with sinks), as attention gives,
+    in q's array module."""
     xp = array_module([q])
-    return xp.zeros(shape + (e,), dtype=dtype), xp.full(shape, -np.inf, dtype=acc_dtype_of(dtype))
+    lse = xp.full(shape, -np.inf, dtype=acc_dtype_of(dtype))
+    if sinks is not None:
+        lse = xp.broadcast_to(sinks[..., None], shape).astype(lse.dtype)
+    return xp.zeros(shape + (e,), dtype=dtype), lse

@@ -221,3 +221,32 @@ def test_the_core_never_imports_dask():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@settings(max_examples=15)
+@given(st.data())
+def test_mods_see_global_indices_and_sinks_join_once(data):
+    """score_mod, mask_mod and sinks over any chunking equal the one in-memory call; a block mask prunes the chunk
+    pairs whose tiles it hides (never one it shows: the results stay equal)."""
+    from cuflash import mods
+
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    b, h, n = 2, 3, data.draw(st.integers(1, 70))
+    q, k, v = (rng.standard_normal((b, h, n, 4)) for _ in range(3))
+    ids = np.sort(rng.integers(0, 3, (b, n)), axis=1)
+    slopes, sinks = rng.random(h), rng.standard_normal(h)
+
+    def capped_alibi(score, bi, hi, i, j):
+        return 2 * np.tanh((score - slopes[hi] * np.abs(i - j)) / 2)
+    pattern = mods.documents(ids)
+    expected, expected_lse = cuflash.attention(q, k, v, score_mod=capped_alibi, mask_mod=pattern, sinks=sinks,
+                                               causal=True, return_lse=True)
+    dq, dk, dv = (da.from_array(x, chunks=data.draw(chunks_of(x.shape))) for x in (q, k, v))
+    made = cuflash.block_mask(pattern, (b, h), n, n, block=(8, 8))
+    for options in (dict(mask_mod=pattern), dict(block_mask=made)):
+        out, lse = cd.attention(dq, dk, dv, score_mod=capped_alibi, sinks=sinks, causal=True, return_lse=True,
+                                **options)
+        np.testing.assert_allclose(out.compute(), expected, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse.compute(), expected_lse, rtol=1e-12, atol=1e-12)
+    pruned = pair_tasks(cd.attention(dq, dk, dv, block_mask=made, causal=True))
+    assert len(pruned) <= len(pair_tasks(cd.attention(dq, dk, dv, mask_mod=pattern, causal=True)))
