@@ -82,7 +82,7 @@ MUTANTS = (
     # ---- the front door and the Problem
     m("window-right-off-by-one",
       [("(j >= i - left) & (j <= i + right)",
-        "(j >= i - left) & (j < i + right)", "def tile(self, xp, i0: int, i1: int, j0: int, j1: int, n: int, m: int):")],
+        "(j >= i - left) & (j < i + right)", "def tile(self, xp, i0: int, i1: int, j0: int, j1: int,")],
       [NUMPY],
       "the numpy backend's per-tile visibility hides the diagonal key"),
     m("key-range-short",
