@@ -33,6 +33,7 @@ class BlockMask:
     def __init__(self, kinds, shape, block, mask_mod=None, mask=None, function=None):
         self.kinds, self.shape, self.block = kinds, tuple(shape), tuple(block)
         self.mask_mod, self.mask, self.function = mask_mod, mask, function
+        self._visits: dict = {}  # visits() by (br, bc, keys_own, device)
         partial, full = kinds == PARTIAL, kinds == FULL
         self.kv_num_blocks, self.kv_indices = _lists(partial)
         self.full_kv_num_blocks, self.full_kv_indices = _lists(full)
@@ -82,41 +83,76 @@ class BlockMask:
                              f"{tuple(batch)}")
 
     def retile(self, br: int, bc: int) -> "BlockMask":
-        """The same pattern on tiles of (br, bc): finer tiles inside a coarse one take its kind, a coarse tile made
-        of fine ones is hidden or full only if all of them are. Sizes must divide one another on each axis."""
-        if (br, bc) == self.block:
-            return self
-        kinds = self.kinds
-        for axis, (old, new, length) in enumerate(((self.block[0], br, self.shape[-2]),
-                                                    (self.block[1], bc, self.shape[-1]))):
-            axis = kinds.ndim - 2 + axis
-            if old % new == 0:
-                kinds = np.repeat(kinds, old // new, axis=axis)[_cut(kinds.ndim, axis, -(-length // new))]
-            elif new % old == 0:
-                kinds = _coarsen(kinds, axis, new // old)
-            else:
+        """The same pattern on tiles of (br, bc), exactly as fine as it was: sizes must divide one another on each
+        axis (a caller's block= for the blocked algorithm). covering() does the work."""
+        for old, new in zip(self.block, (br, bc)):
+            if old % new and new % old:
                 raise ValueError(f"the block mask's tiles {self.block} cannot be re-tiled to ({br}, {bc}): each "
                                  f"size must divide the other; make it with block=({br}, {bc})")
+        return self.covering(br, bc)
+
+    def covering(self, br: int, bc: int) -> "BlockMask":
+        """The pattern on tiles of (br, bc), any sizes: a tile is hidden (or full) where every tile of this mask it
+        overlaps is, and partial otherwise. Exact where the sizes divide one another (finer tiles inside a coarse
+        one take its kind; a coarse tile made of fine ones is hidden or full only if all of them are); where they
+        do not, a tile shows at least what the pattern shows, so nothing hidden is ever visited wrongly."""
+        if (br, bc) == self.block:
+            return self
+        low = high = self.kinds  # the least and the greatest kind a tile overlaps (HIDDEN < PARTIAL < FULL)
+        for axis, (old, new, length) in enumerate(((self.block[0], br, self.shape[-2]),
+                                                    (self.block[1], bc, self.shape[-1]))):
+            axis = self.kinds.ndim - 2 + axis
+            low, high = _over_tiles(low, np.minimum, axis, old, new, length), \
+                _over_tiles(high, np.maximum, axis, old, new, length)
+        kinds = np.where(high == HIDDEN, HIDDEN, np.where(low == FULL, FULL, PARTIAL)).astype(np.int8)
         return BlockMask(kinds, self.shape, (br, bc), self.mask_mod, self.mask, self.function)
 
+    def visits(self, br: int, bc: int, keys_own: bool, xp=np):
+        """What a kernel on tiles of (br, bc) visits (mods.cuh's Visits): (count, entries, owned), count and
+        entries int32 arrays of xp of shape (batch entries * owned,) and (batch entries * owned, width): for each
+        of the `owned` row tiles (key tiles, keys_own) of each batch entry, its shown tiles of the other axis
+        ascending as 2 * tile + whole, the rest 0; width at least 1. Made once per (br, bc, keys_own) and device."""
+        device = None if xp is np else xp.cuda.Device().id
+        key = (br, bc, keys_own, device)
+        if key not in self._visits:
+            kinds = self.covering(br, bc).kinds
+            if keys_own:
+                kinds = np.swapaxes(kinds, -1, -2)
+            shown = kinds != HIDDEN
+            count = shown.sum(axis=-1, dtype=np.int32)
+            order = np.argsort(~shown, axis=-1, kind="stable")
+            entries = 2 * order + (np.take_along_axis(kinds, order, axis=-1) == FULL)
+            width = max(1, kinds.shape[-1])
+            lists = np.zeros(kinds.shape[:-1] + (width,), np.int32)
+            columns = np.arange(kinds.shape[-1])
+            lists[..., :kinds.shape[-1]] = np.where(columns < count[..., None], entries, 0)
+            self._visits[key] = (xp.asarray(count.reshape(-1)), xp.asarray(lists.reshape(-1, width)),
+                                 kinds.shape[-2])
+        return self._visits[key]
 
-def _cut(ndim, axis, size):
-    index = [slice(None)] * ndim
-    index[axis] = slice(0, size)
-    return tuple(index)
+    def entry_strides(self, nbatch: int) -> Tuple[int, ...]:
+        """For each of a call's nbatch batch axes, the batch entries one step along it moves (0 where this mask's
+        batch has size 1 or no such axis: its batch aligns with the call's trailing axes)."""
+        strides, step = [], 1
+        for size in reversed(self.batch):
+            strides.append(step if size != 1 else 0)
+            step *= size
+        return (0,) * (nbatch - len(self.batch)) + tuple(reversed(strides))
 
 
-def _coarsen(kinds, axis, factor):
-    pad = (-kinds.shape[axis]) % factor
-    widths = [(0, 0)] * kinds.ndim
-    widths[axis] = (0, pad)
-    padded = np.pad(kinds, widths, constant_values=-1)  # -1: past the end, neither hiding nor showing
-    shape = padded.shape[:axis] + (padded.shape[axis] // factor, factor) + padded.shape[axis + 1:]
-    groups = padded.reshape(shape)
-    real = groups >= 0
-    hidden = ((groups == HIDDEN) | ~real).all(axis=axis + 1)
-    full = ((groups == FULL) | ~real).all(axis=axis + 1)
-    return np.where(hidden, HIDDEN, np.where(full, FULL, PARTIAL)).astype(np.int8)
+def _over_tiles(kinds, reduce, axis: int, old: int, new: int, length: int):
+    """kinds on tiles of `old` along `axis` reduced (np.minimum or np.maximum) over those each tile of `new` (of
+    a `length` long axis) overlaps."""
+    if old == new:
+        return kinds
+    tiles = -(-length // new)
+    parts = []
+    for t in range(tiles):
+        lo, hi = t * new // old, (min((t + 1) * new, length) - 1) // old
+        parts.append(reduce.reduce(np.take(kinds, range(lo, hi + 1), axis=axis), axis=axis, keepdims=True))
+    if not parts:
+        return np.take(kinds, [], axis=axis)
+    return np.concatenate(parts, axis=axis)
 
 
 def _lists(chosen):
