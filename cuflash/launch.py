@@ -8,12 +8,14 @@ a function that launches one Launch on its module. Nothing here plans: what to l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
+from .kernels import mods as kernel_mods
 from .merging import combine
 from .tiling import Plan
 
@@ -38,11 +40,12 @@ SIZES = ("n", "m", "d", "e", "left", "right")
 def params_dtype(acc) -> np.dtype:
     """The C struct Params of kernels/tile.cuh, field for field, for accumulator type acc (float32 or float64):
     every kernel's one parameter, passed by value. A pointer per operand (OPERANDS; 0 where absent), the geometry
-    table's, the sizes and the window's reach, scale log2(e) and scale in acc, and the launch flags."""
+    table's, the sizes and the window's reach, scale log2(e) and scale in acc, the launch flags and the mods' Args
+    (kernels/mods.py)."""
     acc = np.dtype(acc)
     return np.dtype([(name, np.uint64) for name in OPERANDS + ("geometry",)] +
-                    [(name, np.int64) for name in SIZES] + [("scale_log2", acc), ("scale", acc), ("flags", np.int32)],
-                    align=True)
+                    [(name, np.int64) for name in SIZES] + [("scale_log2", acc), ("scale", acc), ("flags", np.int32),
+                                                            ("mods", kernel_mods.ARGS)], align=True)
 
 
 PARAMS = {np.dtype(acc).name: params_dtype(acc) for acc in (np.float32, np.float64)}
@@ -66,7 +69,11 @@ def layout_asserts() -> List[str]:
     lines = [check("cuflash::kMaxBatchDims", MAX_BATCH_DIMS), check("(int)cuflash::kOperands", len(OPERANDS))]
     lines += [check(f"(int)cuflash::k{name.capitalize()}", index) for index, name in enumerate(OPERANDS)]
     lines += [check(f"(int)cuflash::{name}", value) for name, value in FLAGS.items()]
-    structs = [("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY)] + \
+    lines += [check(f"cuflash::mods::kMax{name}", value) for name, value in (
+        ("Tables", kernel_mods.MAX_TABLES), ("TableAxes", kernel_mods.MAX_TABLE_AXES),
+        ("BatchAxes", kernel_mods.MAX_BATCH_AXES))]
+    structs = [("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY), ("mods::Table", kernel_mods.TABLE),
+               ("mods::Visits", kernel_mods.VISITS), ("mods::Args", kernel_mods.ARGS)] + \
         [(f"Params<{PARAMS_OF[acc]}>", dtype) for acc, dtype in PARAMS.items()]
     for struct, dtype in structs:
         fields = dtype.fields or {}
@@ -139,18 +146,19 @@ def coalesce(shape, strides_per_operand):
 # Launches
 
 
-def launches(problem, out, lse, plan: Plan, split_strides: Tuple[int, int] = (0, 0)) -> List[Launch]:
+def launches(problem, out, lse, plan: Plan, split_strides: Tuple[int, int] = (0, 0),
+             patterns: Optional["KernelPatterns"] = None) -> List[Launch]:
     """The kernel launches that compute problem into out (and lse when not None) as planned: one per column block
     of e (the first also writes lse), times one per index of the leading batch dims when the batch has more dims
     than the kernel takes after coalescing. With split keys, out and lse are split 0's partial results (in the
     accumulator type), split_strides the elements from one split's out and lse to the next's, and the blocks of
-    every split run in the same launches."""
+    every split run in the same launches. patterns: what the plan's mods read (kernel_patterns)."""
     check_plan(problem, plan)
     result = []
     for index, (e0, e1) in enumerate(plan.column_blocks):
         operands = {"q": problem.q, "k": problem.k, "v": problem.v[..., e0:e1], "mask": problem.mask,
                     "bias": problem.bias, "out": out[..., e0:e1], "lse": lse if index == 0 else None}
-        result += _batch_launches(problem, operands, e1 - e0, plan, split_strides)
+        result += _batch_launches(problem, operands, e1 - e0, plan, split_strides, patterns)
     return result
 
 
@@ -176,10 +184,10 @@ def backward_operands(problem, dout, terms, grads) -> dict:
             "terms": terms, **dict(zip(("dq", "dk", "dv", "dbias"), grads))}
 
 
-def backward_launches(problem, plan: Plan, operands: dict) -> List[Launch]:
+def backward_launches(problem, plan: Plan, operands: dict, patterns=None) -> List[Launch]:
     """The launches of one backward kernel as planned (a plan of kind "dq" or "dkdv") on backward_operands."""
     check_plan(problem, plan)
-    return _batch_launches(problem, operands, problem.e, plan, (0, 0))
+    return _batch_launches(problem, operands, problem.e, plan, (0, 0), patterns)
 
 
 def check_plan(problem, plan: Plan) -> None:
@@ -187,9 +195,10 @@ def check_plan(problem, plan: Plan) -> None:
         raise ValueError(f"attention: a plan for {plan.shape} cannot run a problem of {problem.shape}")
 
 
-def _batch_launches(problem, operands, e, plan: Plan, split_strides) -> List[Launch]:
+def _batch_launches(problem, operands, e, plan: Plan, split_strides, patterns=None) -> List[Launch]:
     """operands: arrays by name (OPERANDS), None or absent where the kernel has none."""
     xp = problem.xp
+    patterns = None if patterns is None else patterns.planned(plan, xp)
     # Operands whose byte strides are not whole elements (exotic views) are copied once.
     operands = {name: x if x is None or element_strides(x) is not None else xp.ascontiguousarray(x)
                 for name, x in operands.items()}
@@ -201,7 +210,8 @@ def _batch_launches(problem, operands, e, plan: Plan, split_strides) -> List[Lau
 
     shape, batch_strides = coalesce(problem.batch, batch_strides_of(operands, nb))
     if len(shape) <= MAX_BATCH_DIMS:
-        return [_launch(problem, operands, shape, batch_strides, e, plan, split_strides)]
+        return [_launch(problem, operands, shape, batch_strides, e, plan, split_strides, patterns)]
+    assert patterns is None, "kernel_patterns keeps the kernels' mods to a batch one launch covers"
     # Too many batch dims: launch per index of the leading ones, on views.
     lead = len(problem.batch) - MAX_BATCH_DIMS
     result = []
@@ -249,9 +259,9 @@ def launch_flags(problem, operands) -> int:
     return flags
 
 
-def kernel_params(problem, operands, table, e, flags) -> np.ndarray:
+def kernel_params(problem, operands, table, e, flags, patterns=None) -> np.ndarray:
     """The kernel's Params (one PARAMS element) for these operands (arrays by name; None or absent: a null
-    pointer, never read) and the device's geometry table."""
+    pointer, never read), the device's geometry table and what the mods read (patterns, or none)."""
     params = np.zeros(1, PARAMS[problem.acc_dtype.name])
     for name in OPERANDS:
         if operands.get(name) is not None:
@@ -262,17 +272,107 @@ def kernel_params(problem, operands, table, e, flags) -> np.ndarray:
         params[name] = value
     params["scale_log2"], params["scale"] = problem.scale * LOG2E, problem.scale
     params["flags"] = flags
+    if patterns is not None:
+        patterns.write(params["mods"], problem.batch)
     return params
 
 
-def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_strides) -> Launch:
+def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_strides, patterns=None) -> Launch:
     table = resident(problem.xp, geometry_table(shape, batch_strides, operands, plan, split_strides))
-    params = kernel_params(problem, operands, table, e, launch_flags(problem, operands))
+    params = kernel_params(problem, operands, table, e, launch_flags(problem, operands), patterns)
     batch_count = math.prod(shape)
     grid_y = max(1, min(batch_count, MAX_GRID_Y))
     grid = (plan.grid_x, grid_y, -(-batch_count // grid_y))
-    arrays = tuple(x for x in operands.values() if x is not None) + (table,)
+    arrays = tuple(x for x in operands.values() if x is not None) + (table,) + \
+        (() if patterns is None else patterns.arrays)
     return Launch(plan.name, grid, plan.block, plan.shared_mem, (params,), arrays)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Patterns: what the kernels' mods read (Params::mods)
+
+
+@dataclass
+class KernelPatterns:
+    """A call's mods as its kernels take them: their CUDA (kernels/mods.KernelMods: the plan's, with_mods), the
+    arrays they close over as arrays of the call's module (tables), the sinks ((*batch,) in the accumulation type,
+    contiguous; None: none) and the int32 a read outside a table writes its table's number + 1 into (error)."""
+
+    mods: Any
+    tables: Tuple[Any, ...]
+    sinks: Any
+    error: Any
+    block_mask: Any = None
+    visits: Tuple[Any, ...] = ()  # planned(): the block mask's (count, entries, owned) on the plan's tiles
+
+    @property
+    def arrays(self) -> tuple:
+        return tuple(x for x in self.tables + (self.sinks, self.error) + self.visits[:2] if x is not None)
+
+    def planned(self, plan: Plan, xp) -> "KernelPatterns":
+        """These patterns for one plan's kernel: with a block mask, the tiles its blocks visit (BlockMask.visits
+        on the plan's tiles, its blocks' own axis first)."""
+        if self.block_mask is None:
+            return self
+        keys_own = plan.family.tiles_along == "keys"
+        return dataclasses.replace(self, visits=self.block_mask.visits(plan.config.Br, plan.config.Bc, keys_own, xp))
+
+    def write(self, args, batch) -> None:
+        """Params::mods (an array of one ARGS record) for a problem of this batch shape."""
+        args["batch"][0, :] = 1
+        args["batch"][0, :len(batch)] = batch
+        if self.visits:
+            count, entries, owned = self.visits
+            visits = args["visits"]
+            visits["count"], visits["list"] = address(count), address(entries)
+            visits["entry_stride"][0, :len(batch)] = self.block_mask.entry_strides(len(batch))
+            visits["owned"], visits["width"] = owned, entries.shape[1]
+        tables = args["table"]
+        for t, table in enumerate(self.tables):
+            tables["data"][0, t] = address(table)
+            tables["shape"][0, t, :table.ndim] = table.shape
+            tables["stride"][0, t, :table.ndim] = element_strides(table)
+        args["sinks"] = 0 if self.sinks is None else address(self.sinks)
+        args["error"] = 0 if self.error is None else address(self.error)
+
+    def check_reads(self, xp) -> None:
+        """The IndexError of a read outside a table, after the launches (on a GPU this waits for them)."""
+        if self.error is None:
+            return
+        flagged = int(self.error[0])
+        if flagged:
+            name, number = self.mods.owners[flagged - 1]
+            shape = tuple(self.tables[flagged - 1].shape)
+            raise IndexError(f"{name}: an index is out of bounds for table{number} (shape {shape}), the array it "
+                             f"closes over; mods do not wrap negative indices")
+
+
+def kernel_patterns(problem, forward: bool) -> Tuple[Optional[KernelPatterns], Optional[str]]:
+    """(the problem's mods as its kernels take them, or None where it has none; why the kernels cannot take them,
+    or None). forward: whether the sinks enter (the backward reads them through the lse)."""
+    score, mask, blocks = problem.score_mod, problem.mask_mod, problem.block_mask
+    sinks = problem.sinks if forward else None
+    if score is None and mask is None and sinks is None and blocks is None:
+        return None, None
+    why = kernel_mods.unsupported(score, mask, len(problem.batch))
+    if why is not None:
+        return None, why
+    xp = problem.xp
+    tables = tuple(kernel_table(a, xp) for a in (score.arrays if score else ()) + (mask.arrays if mask else ()))
+    code = kernel_mods.kernel_mods(score, mask, len(problem.batch), sinks is not None, tables, blocks is not None)
+    sinks = None if sinks is None else xp.ascontiguousarray(sinks)
+    error = xp.zeros(1, dtype=np.int32) if tables else None
+    return KernelPatterns(code, tables, sinks, error, blocks), None
+
+
+def kernel_table(array, xp):
+    """A captured array as the kernels read it: an array of xp (torch's by DLPack; bfloat16 as float32) whose byte
+    strides are whole elements."""
+    from .mods import as_module_array
+    if "bfloat16" in str(array.dtype) and type(array).__module__.startswith("torch"):
+        array = array.float()
+    table = as_module_array(array, xp)
+    return table if element_strides(table) is not None else xp.ascontiguousarray(table)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,29 +428,34 @@ def _evict_oldest(xp) -> None:
 GetKernel = Callable[[Plan], Callable[["Launch"], Any]]
 
 
-def run(problem, out, lse, plan: Plan, get_kernel: GetKernel) -> None:
+def run(problem, out, lse, plan: Plan, get_kernel: GetKernel, patterns: Optional[KernelPatterns] = None) -> None:
     """Launch every kernel of the plan (get_kernel: the backend's, GetKernel). With split keys the partial results
     land in scratch in the accumulator type and are combined into out and lse. A launch error names the kernel and
-    the configuration."""
+    the configuration. patterns: what the plan's mods read (kernel_patterns)."""
     if plan.splits > 1:
         xp, acc = problem.xp, problem.acc_dtype
         parts_out = xp.empty((plan.splits,) + tuple(out.shape), dtype=acc)
         parts_lse = xp.empty((plan.splits,) + tuple(out.shape[:-1]), dtype=acc)
         strides = parts_out.strides[0] // acc.itemsize, parts_lse.strides[0] // acc.itemsize
-        _run(launches(problem, parts_out[0], parts_lse[0], plan, strides), plan, get_kernel)
+        _run(launches(problem, parts_out[0], parts_lse[0], plan, strides, patterns), plan, get_kernel)
         combine(parts_out, parts_lse, out, lse, xp)
-        return
-    _run(launches(problem, out, lse, plan), plan, get_kernel)
+    else:
+        _run(launches(problem, out, lse, plan, patterns=patterns), plan, get_kernel)
+    if patterns is not None:
+        patterns.check_reads(problem.xp)
 
 
-def run_backward(problem, plans, dout, out, lse, grads, get_kernel: GetKernel) -> None:
+def run_backward(problem, plans, dout, out, lse, grads, get_kernel: GetKernel,
+                 patterns: Optional[KernelPatterns] = None) -> None:
     """The backward kernels as planned (tiling.backward_plans): the row terms first (row_terms: the lse in the log2
     domain and D_i = rowsum(dout * out), FlashAttention-2's preprocessing), then each kernel, the only writer of its
     gradients."""
     operands = backward_operands(problem, dout, row_terms(problem, dout, out, lse), grads)
     for plan in plans:
         if plan.grid_x:  # no keys: dk and dv are empty, dq stays 0
-            _run(backward_launches(problem, plan, operands), plan, get_kernel)
+            _run(backward_launches(problem, plan, operands, patterns), plan, get_kernel)
+    if patterns is not None:
+        patterns.check_reads(problem.xp)
 
 
 def _run(todo: List[Launch], plan: Plan, get_kernel: GetKernel) -> None:

@@ -532,6 +532,11 @@ class Traced:
         tables = ", ".join(f"table{t}: {kind_of_dtype(a.dtype)}[{len(a.shape)}]" for t, a in enumerate(self.arrays))
         return f"{self.kind}_mod({self.expr.text}; {tables})"
 
+    def program(self, slope: bool = False) -> List[Expr]:
+        """The nodes of its expression (slope: of its derivative with respect to the score) in evaluation order,
+        the result last: what the kernels' CUDA is written from."""
+        return nodes(derivative(self.expr) if slope else self.expr)
+
 
 def trace(fn, kind: str, nbatch: int, name: Optional[str] = None) -> Traced:
     """The expression of score_mod (kind "score") or mask_mod ("mask") for nbatch batch axes."""
@@ -561,6 +566,17 @@ def trace(fn, kind: str, nbatch: int, name: Optional[str] = None) -> Traced:
         result = cast(result, "float")
     axes = frozenset(a for a in _index_axes(result) if a < nbatch)
     return Traced(kind, result, tuple(t.array for t in capture.tables), axes, nbatch)
+
+
+def cuda_source(score_mod=None, mask_mod=None, *, nbatch: int = 2, sinks: bool = False) -> str:
+    """The CUDA the cupy and simt backends compile into their kernels for these mods (either may be None), for
+    reading: a struct of device functions (score, its derivative with respect to the score, mask) over nbatch
+    batch axes (2 for (B, H, n, d) inputs), whose captured arrays arrive as tables; sinks: whether the forward's
+    rows start from sinks=."""
+    from .kernels import mods as kernel_mods
+    score = None if score_mod is None else trace(score_mod, "score", nbatch)
+    mask = None if mask_mod is None else trace(mask_mod, "mask", nbatch)
+    return kernel_mods.kernel_mods(score, mask, nbatch, sinks).source
 
 
 def check_arity(fn, count: int, nbatch: int, kind: str, name: str) -> None:

@@ -11,14 +11,16 @@ them together through the compiler).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from .devices import KNOWN, DeviceLimits, fmt_bytes
 from .family import BlockConfig, Family, Shape
+from . import kernels
 from .kernels import backward, backward_mma, forward, forward_mma
 
 __all__ = ["BACKWARD_KINDS", "FAMILIES", "FAMILIES_OF", "KNOWN", "BlockConfig", "DeviceLimits", "Family", "Plan",
@@ -172,7 +174,8 @@ class Plan:
     against it). name: the name expression of the instantiation (the split one when splits > 1), compiled from
     kernels/`source`. tiles: blocks along the grid's x axis per key split, one per query tile or, for a family
     tiled along the keys, per key tile (0: n or m unknown). splits: key splits
-    (1: none), each of split_keys keys. column_blocks: the [e0, e1) output columns of each launch."""
+    (1: none), each of split_keys keys. column_blocks: the [e0, e1) output columns of each launch. mods: the CUDA
+    of the call's mods (kernels/mods.KernelMods, compiled into the kernel: with_mods), or None."""
 
     shape: Shape
     config: BlockConfig
@@ -185,10 +188,25 @@ class Plan:
     splits: int
     split_keys: int
     column_blocks: Tuple[Tuple[int, int], ...]
+    mods: Any = None
 
     @property
     def grid_x(self) -> int:
         return self.tiles * self.splits
+
+    @property
+    def kernel(self) -> Tuple[str, str]:
+        """What the plan's compiled kernel is known by: its name expression and its mods' key."""
+        return self.name, "" if self.mods is None else self.mods.key
+
+    @property
+    def code(self) -> str:
+        """The kernel's source string (kernels.source: its file, and its mods' CUDA)."""
+        return kernels.source(self.source, "" if self.mods is None else self.mods.source)
+
+    def with_mods(self, mods) -> "Plan":
+        """The same plan for a kernel compiled with these mods (None: without)."""
+        return self if mods is None else dataclasses.replace(self, mods=mods)
 
 
 def split_keys(m: int, splits: int, Bc: int) -> Tuple[int, int]:

@@ -6,15 +6,17 @@ structs of 8-byte fields (and a last int) alike."""
 import pytest
 
 from cuflash import kernels, launch, simt, tiling
+from cuflash.kernels import mods as kernel_mods
 
 pytestmark = pytest.mark.skipif(not simt.available(), reason=str(simt.unavailable_reason()))
 
 
 def test_geometry_table_layout_equals_the_kernels():
     asserts = launch.layout_asserts()
-    structs = (launch.OPERAND_STRIDES, launch.GEOMETRY) + tuple(launch.PARAMS.values())
+    structs = (launch.OPERAND_STRIDES, launch.GEOMETRY, kernel_mods.TABLE, kernel_mods.VISITS, kernel_mods.ARGS) + \
+        tuple(launch.PARAMS.values())
     every_field = sum(len(dtype.names) for dtype in structs)
-    assert len(asserts) == 2 + len(launch.OPERANDS) + len(launch.FLAGS) + len(structs) + every_field
+    assert len(asserts) == 2 + len(launch.OPERANDS) + len(launch.FLAGS) + 3 + len(structs) + every_field
     drift = compiler_verdict(asserts)
     assert drift is None, f"launch.py's declared table differs from what the kernels read:\n{drift}"
 
@@ -30,7 +32,9 @@ def compiler_verdict(asserts, source="block.cuh"):
 
 @pytest.mark.parametrize("drift", ["cuflash::kMaxBatchDims == 6", "(int)cuflash::kLse == 6", "kBiasHides == 64",
                                    "Geometry, split_out) == 904", "sizeof(cuflash::OperandStrides) == 64",
-                                   "Params<double>, scale) == 168", "Params<__half>, flags) == 168"])
+                                   "Params<double>, scale) == 168", "Params<__half>, flags) == 168",
+                                   "mods::Args, error) == 632", "mods::Visits, owned) == 64",
+                                   "cuflash::mods::kMaxTables == 8"])
 def test_a_drifted_declaration_is_caught(drift):
     asserts = [a.replace(drift, drift[:-1] + "1", 1) for a in launch.layout_asserts()]
     assert sum(drift in a for a in launch.layout_asserts()) == 1

@@ -31,7 +31,7 @@ def test_every_assembled_line_is_where_its_directive_says():
     for source in (kernels.source(family.source) for family in tiling.FAMILIES):
         check_directives(source, files)
     assert set(files) == {"forward_mma.cuh", "forward.cuh", "block.cuh", "tile.cuh", "common.cuh",
-                          "mma_tile.cuh", "ptx.cuh"}
+                          "mma_tile.cuh", "ptx.cuh", "mods.cuh"}
 
 
 def check_directives(source, files):

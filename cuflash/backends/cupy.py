@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict
 
-from .. import blocked, kernels, launch, nvrtc, tiling
+from .. import blocked, launch, nvrtc, tiling
 from ..devices import DeviceLimits
 
 ARRAYS = "cupy"
@@ -48,12 +48,13 @@ def run(problem, out, lse, block=None):
     check_one_device({"q": problem.q, "k": problem.k, "v": problem.v, "mask": problem.mask, "bias": problem.bias,
                       "out": out, "lse": lse})
     with device:
-        if problem.has_mods:  # not compiled into the kernels yet: the blocked algorithm on CuPy's matmul
+        patterns, why_not = launch.kernel_patterns(problem, forward=True)
+        if why_not is not None:  # mods the kernels cannot take: the blocked algorithm on CuPy's matmul
             blocked.run(problem, out, lse)
             return
         limits = device_limits(device.id)
-        plan = tiling.plan(problem.shape, limits, block)
-        launch.run(problem, out, lse, plan, kernels_for(device.id, limits, chosen=block is None))
+        plan = tiling.plan(problem.shape, limits, block).with_mods(patterns and patterns.mods)
+        launch.run(problem, out, lse, plan, kernels_for(device.id, limits, chosen=block is None), patterns)
 
 
 def run_backward(problem, dout, out, lse, grads, block=None):
@@ -64,12 +65,14 @@ def run_backward(problem, dout, out, lse, grads, block=None):
                       "dout": dout, "out": out, "lse": lse})
     with device:
         limits = device_limits(device.id)
-        plans = None if problem.has_mods else tiling.backward_plans(problem.shape, limits, block)
+        patterns, why_not = launch.kernel_patterns(problem, forward=False)
+        plans = None if why_not else tiling.backward_plans(problem.shape, limits, block)
         if plans is None:
             blocked.run_backward(problem, dout, out, lse, grads)
             return
+        plans = tuple(plan.with_mods(patterns and patterns.mods) for plan in plans)
         launch.run_backward(problem, plans, dout, out, lse, grads,
-                            kernels_for(device.id, limits, chosen=block is None))
+                            kernels_for(device.id, limits, chosen=block is None), patterns)
 
 
 def check_one_device(operands) -> None:
@@ -95,10 +98,10 @@ def kernel(device_id: int, plan: tiling.Plan, limits, check_spills=True):
 
     options = tuple(nvrtc.options())  # no -arch: CuPy appends the current device's, and NVRTC refuses a second
     name, shared_mem = plan.name, plan.shared_mem
-    key = (device_id, options, name)
+    key = (device_id, options, plan.kernel)
     function = _functions.get(key)
     if function is None:
-        module = cupy.RawModule(code=kernels.source(plan.source), options=options, name_expressions=[name])
+        module = cupy.RawModule(code=plan.code, options=options, name_expressions=[name])
         function = module.get_function(name)
         local = function.local_size_bytes
         if local and check_spills:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Set, Tuple
 
-from .. import blocked, kernels, launch, tiling
+from .. import blocked, launch, tiling
 from ..devices import DeviceLimits
 
 ARRAYS = "numpy"
@@ -18,7 +18,7 @@ ARRAYS = "numpy"
 DEVICE = DeviceLimits.known("H100")
 OPTIONS = ("--std=c++17",)
 
-_functions: Dict[Tuple[str, str], Any] = {}  # (name expression, mode) -> compiled kernel, once per process
+_functions: Dict[Tuple[Tuple[str, str], str], Any] = {}  # (plan.kernel, mode) -> compiled kernel, once per process
 
 
 def unavailable():
@@ -27,21 +27,27 @@ def unavailable():
 
 
 def run(problem, out, lse, block=None):
-    if problem.has_mods:  # not compiled into the kernels yet: the blocked algorithm, as the cupy backend
+    """The forward kernel as planned, its mods compiled in; mods the kernels cannot take run the blocked
+    algorithm."""
+    patterns, why_not = launch.kernel_patterns(problem, forward=True)
+    if why_not is not None:
         blocked.run(problem, out, lse)
         return
-    launch.run(problem, out, lse, tiling.plan(problem.shape, DEVICE, block), get_kernel)
+    plan = tiling.plan(problem.shape, DEVICE, block).with_mods(patterns and patterns.mods)
+    launch.run(problem, out, lse, plan, get_kernel, patterns)
 
 
 def run_backward(problem, dout, out, lse, grads, block=None):
-    """The backward kernels (kernels/backward.cuh) as planned; past their head dims, the blocked backward (the
-    numpy backend's, on these NumPy arrays)."""
-    plans = None if problem.has_mods else tiling.backward_plans(problem.shape, DEVICE, block)
+    """The backward kernels (kernels/backward.cuh) as planned, their mods compiled in; past their head dims, or with
+    mods they cannot take, the blocked backward (the numpy backend's, on these NumPy arrays)."""
+    patterns, why_not = launch.kernel_patterns(problem, forward=False)
+    plans = None if why_not else tiling.backward_plans(problem.shape, DEVICE, block)
     if plans is None:
         blocked.run_backward(problem, dout, out, lse, grads)
         return
+    plans = tuple(plan.with_mods(patterns and patterns.mods) for plan in plans)
     compile_together(plans)
-    launch.run_backward(problem, plans, dout, out, lse, grads, get_kernel)
+    launch.run_backward(problem, plans, dout, out, lse, grads, get_kernel, patterns)
 
 
 def mode() -> str:
@@ -50,10 +56,10 @@ def mode() -> str:
 
 def function(plan: tiling.Plan):
     """The plan's kernel compiled for this mode (once per process), the emulator's Function."""
-    compiled = _functions.get((plan.name, mode()))
+    compiled = _functions.get((plan.kernel, mode()))
     if compiled is None:
         compile_together([plan])
-        compiled = _functions[(plan.name, mode())]
+        compiled = _functions[(plan.kernel, mode())]
     return compiled
 
 
@@ -69,14 +75,14 @@ def compile_together(plans) -> None:
     (the emulator's runtime parsed once) for the backward's two kernels."""
     from .. import simt
 
-    todo: Dict[str, Set[str]] = {}
+    todo: Dict[Tuple[str, str, str], Set[str]] = {}  # (code, file, mods' key) -> names
     for plan in plans:
-        if (plan.name, mode()) not in _functions:
-            todo.setdefault(plan.source, set()).add(plan.name)
-    for source, names in todo.items():
-        module = simt.RawModule(code=kernels.source(source), options=OPTIONS, name_expressions=sorted(names),
+        if (plan.kernel, mode()) not in _functions:
+            todo.setdefault((plan.code, plan.source, plan.kernel[1]), set()).add(plan.name)
+    for (code, source, key), names in todo.items():
+        module = simt.RawModule(code=code, options=OPTIONS, name_expressions=sorted(names),
                                 max_dynamic_shared=DEVICE.smem_per_block, filename=source)
         for name in names:
             function = module.get_function(name)
             function.max_dynamic_shared_size_bytes = DEVICE.smem_per_block
-            _functions[(name, mode())] = function
+            _functions[((name, key), mode())] = function

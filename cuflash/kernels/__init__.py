@@ -28,7 +28,7 @@ def path_of(name: str) -> str:
     return f"cuflash/kernels/{name}"
 
 
-def _inline(name: str, seen: set) -> list:
+def _inline(name: str, seen: set, mods: str) -> list:
     if name in seen:  # #pragma once, textually
         return []
     seen.add(name)
@@ -36,14 +36,20 @@ def _inline(name: str, seen: set) -> list:
     for number, line in enumerate(read(name).splitlines(), start=1):
         match = LOCAL_INCLUDE.match(line)
         if match and os.path.isfile(os.path.join(HERE, match.group(1))):
-            lines.extend(_inline(match.group(1), seen))
+            lines.extend(_inline(match.group(1), seen, mods))
             lines.append(f'#line {number + 1} "{path_of(name)}"')  # back in this file, after the include
         else:
             lines.append("" if line.strip() == "#pragma once" else line)
+    if name == MODS and mods:  # a kernel's generated mods, once what they call is declared
+        lines += ['#line 1 "generated mods (cuflash/kernels/mods.py)"'] + mods.splitlines()
     return lines
 
 
-@functools.lru_cache(maxsize=None)
-def source(entry: str = "forward.cuh") -> str:
-    """The one source string of `entry` with its local headers resolved."""
-    return "\n".join(_inline(entry, set())) + "\n"
+MODS = "mods.cuh"
+
+
+@functools.lru_cache(maxsize=256)
+def source(entry: str = "forward.cuh", mods: str = "") -> str:
+    """The one source string of `entry` with its local headers resolved; mods: the CUDA of a kernel's mods
+    (kernels/mods.py), placed right after mods.cuh."""
+    return "\n".join(_inline(entry, set(), mods)) + "\n"

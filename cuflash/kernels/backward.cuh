@@ -97,19 +97,21 @@ __device__ __forceinline__ const RowTerm<Acc>* row_terms_of(const Acc* terms, co
 }
 
 // P_ij and dS_ij of one (query, key) pair from its raw score S = q_i . k_j and dP = dO_i . v_j and its row's terms:
-// the score step as the forward's (Scores), P = exp2(s - lse_i log2 e). Returns whether the pair is visible; a
-// hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value row never enters them). plain: a full
-// tile without bias (every pair of the block's rows visible), scaled and nothing else. The kernels call their
-// element loop (a lambda) with plain a constant at each call, so it is compiled once per kind of tile.
+// the score step as the forward's (Scores), P = exp2(s - lse_i log2 e), and dS through score_mod by its slope.
+// Returns whether the pair is visible; a hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value
+// row never enters them). plain: a full tile without bias (every pair of the block's rows visible), scaled and
+// nothing else. The kernels call their element loop (a lambda) with plain a constant at each call, so it is
+// compiled once per kind of tile.
 template <typename A>
 __device__ __forceinline__ bool score_gradient(bool plain, A S, A dP, RowTerm<A> t, const Scores<A>& scores,
                                                long long i, long long j, int jj, int cols, bool partial, A& p,
                                                A& ds) {
     bool visible = true;
-    A s = S * scores.scale_log2;
-    if (!plain) s = scores(S, i, j, jj, cols, partial, visible);
+    A s = S * scores.scale_log2, slope = A(1);
+    if (!plain) s = scores(S, i, j, jj, cols, partial, visible, Mods::kScore ? &slope : nullptr);
     p = visible ? exp2_(s - t.shift) : A(0);
-    ds = visible ? p * (dP - t.delta) : A(0);
+    if constexpr (Mods::kScore) ds = visible ? p * (dP - t.delta) * slope : A(0);
+    else ds = visible ? p * (dP - t.delta) : A(0);
     return visible;
 }
 
@@ -152,8 +154,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(const Params<T> p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const BackwardTiles<T, Smem> s(smem);
     if (!in_batch(p)) return;
-    const BlockOperands ops = query_block<Br, false>(p);
-    const Scores<Acc> scores = Scores<Acc>::of(ops, p, p.n);
+    const BlockOperands ops = query_block<Br, Bc, false>(p);
+    const Visited visits = visited<Bc>(p, ops.queries.begin / Br, ops.keys);  // the key tiles it visits
     const TileSource<T> K = ops.source(p.k, kK, p.d, p.flags, kVectorK),
                         V = ops.source(p.v, kV, p.e, p.flags, kVectorV);
     const long long i0 = ops.queries.begin;
@@ -172,19 +174,22 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(const Params<T> p) {
         load_rows_async<T, Bc, E, Smem::LDE, Threads, true>(swept.V, V, j0, cols);
         ptx::cp_async_commit();
     };
+    const auto key_start = [&](int t) { return ops.keys.begin + (long long)visits.tile(t) * Bc; };
     if constexpr (Stages == 2)
-        if (ops.keys.begin < ops.keys.end) load_kv_async(ops.keys.begin, 0);
+        if (visits.tiles > 0) load_kv_async(key_start(0), 0);
 
     Acc dQ[RPT][DPT];
     zero(dQ);
     int stage = 0;
-    for (long long j0 = ops.keys.begin; j0 < ops.keys.end; j0 += Bc, stage = Stages == 2 ? stage ^ 1 : 0) {
+    for (int t = 0; t < visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) {
+        const Scores<Acc> scores = Scores<Acc>::of(ops, p, p.n, visits.whole(t));
+        const long long j0 = key_start(t);
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         const BackwardTiles<T, Smem> swept(smem, stage);  // this key tile's K and V
         if constexpr (Stages == 2) {
             ptx::cp_async_wait<0>();
             __syncthreads();  // K and V landed (at the first: Q, dO, the row terms too); the last tile's K, P, dS read
-            if (j0 + Bc < ops.keys.end) load_kv_async(j0 + Bc, stage ^ 1);
+            if (t + 1 < visits.tiles) load_kv_async(key_start(t + 1), stage ^ 1);
         } else {
             __syncthreads();  // the previous tile's K, P and dS are read (at the first: Q, dO and the row terms landed)
             load_rows<T, Bc, D, Smem::LDD, Threads>(s.K, K, j0, cols);
@@ -244,11 +249,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const BackwardTiles<T, Smem> s(smem);
     if (!in_batch(p)) return;
-    const BlockOperands ops = key_block<Bc>(p);  // the queries that see its keys: the swept tiles
+    const BlockOperands ops = key_block<Bc, Br>(p);  // the queries that see its keys: the swept tiles
+    const Visited visits = visited<Br>(p, ops.keys.begin / Bc, ops.queries);  // the query tiles it visits
     const TileSource<T> Q = ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
                         dO = ops.source(p.dout, kDout, p.e, p.flags, kVectorDout);
-    // Rows past the last swept tile (i >= ops.queries.end) count as rows past n: hidden, whatever the tile.
-    const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end);
     const RowTerm<Acc>* const terms_b = row_terms_of(p.terms, ops.base);
     const long long j0 = ops.keys.begin;
     const int keys = ops.keys.size();
@@ -267,20 +271,24 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
         load_row_terms<Br, Threads, true>(swept.terms, terms_b, i0, rows);
         ptx::cp_async_commit();
     };
+    const auto query_start = [&](int t) { return ops.queries.begin + (long long)visits.tile(t) * Br; };
     if constexpr (Stages == 2)
-        if (ops.queries.begin < ops.queries.end) load_queries_async(ops.queries.begin, 0);
+        if (visits.tiles > 0) load_queries_async(query_start(0), 0);
 
     Acc dK[RPT][DPT], dV[RPT][EPT];
     zero(dK);
     zero(dV);
     int stage = 0;
-    for (long long i0 = ops.queries.begin; i0 < ops.queries.end; i0 += Br, stage = Stages == 2 ? stage ^ 1 : 0) {
+    for (int t = 0; t < visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) {
+        // Rows past the last swept tile (i >= ops.queries.end) count as rows past n: hidden, whatever the tile.
+        const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end, visits.whole(t));
+        const long long i0 = query_start(t);
         const int rows = (int)min_ll(Br, ops.queries.end - i0);
         const BackwardTiles<T, Smem> swept(smem, stage);  // this query tile's Q, dO and row terms
         if constexpr (Stages == 2) {
             ptx::cp_async_wait<0>();
             __syncthreads();  // Q, dO landed (at the first: K and V too); the last tile's Q, dO, P, dS, row terms read
-            if (i0 + Br < ops.queries.end) load_queries_async(i0 + Br, stage ^ 1);
+            if (t + 1 < visits.tiles) load_queries_async(query_start(t + 1), stage ^ 1);
         } else {
             __syncthreads();  // the previous tile's Q, dO, P and dS are read (at the first: K and V landed)
             load_rows<T, Br, D, Smem::LDD, Threads>(s.Q, Q, i0, rows);

@@ -178,11 +178,12 @@ template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]
             for (int y = 0; y < 4; ++y) x[a][c][y] = 0.0f;
 }
 
-// A backward block's sweep in SweepOrder: visit(tile, stage, steady) for each visit, the steady ones in a loop of
-// their own (steady a Steady<true>: compiled apart), the others after it. load(tile, stage, hop, steady) issues a
-// swept tile's copies into `stage` and commits them (hop: the stages from there to the next tile's, StageRing;
-// steady: the tile is a chunk loaders' one, no need to ask): with two stages one visit ahead, into the stage the
-// last visit used; with one at the visit, once every warp is done with the last.
+// A backward block's sweep in SweepOrder: visit(tile, stage, steady, whole) for each visit (whole: the block mask
+// shows the tile whole), the steady ones in a loop of their own (steady a Steady<true>: compiled apart), the others
+// after it. load(tile, stage, hop, steady) issues a swept tile's copies into `stage` and commits them (hop: the
+// stages from there to the next tile's, StageRing; steady: the tile is a chunk loaders' one, no need to ask): with
+// two stages one visit ahead, into the stage the last visit used; with one at the visit, once every warp is done
+// with the last.
 template <int Stages, typename Load, typename Visit>
 __device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visit&& visit) {
     static_assert(Stages == 1 || Stages == 2, "the swept tiles in one stage, or two (the next one's in flight)");
@@ -198,7 +199,7 @@ __device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visi
         // (a steady visit always has a next tile: the one its prefetch is chunked for)
         if (Stages == 2 && (decltype(steady)::value || t + 1 < order.tiles))
             load(order.at(t + 1), ring.before(), ring.hop_before(), steady);
-        visit(tile, ring.stage, steady);
+        visit(tile, ring.stage, steady, order.whole(t));
     };
     if (Stages == 2 && order.tiles > 0) load(order.at(0), 0, 1, Steady<false>{});
     int t = 0;
@@ -224,12 +225,13 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
     using QLoader = mma::ChunkLoader<T, Br, D, Threads>;
     using OLoader = mma::ChunkLoader<T, Br, E, Threads>;
     const Sweep& sweep = shared_sweep(smem + Smem::sweep_offset, [&] {
-        const BlockOperands ops = key_block<Bc>(p);
+        const BlockOperands ops = key_block<Bc, Br>(p);
         const bool chunk_loads = mma::chunk_loads<QLoader, OLoader>(ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
                                                                     ops.source(p.dout, kDout, p.e, p.flags,
                                                                                kVectorDout));
         const TileRange plain = plain_tiles<Br, Bc, true>(ops, p.left, p.right, true);
-        return Sweep{ops, SweepOrder::of(ops.queries, Br, plain, chunk_loads, Stages)};
+        return Sweep{ops, SweepOrder::of(ops.queries, Br, plain, chunk_loads, Stages,
+                                          visited<Br>(p, ops.keys.begin / Bc, ops.queries))};
     });
     const BlockOperands& ops = sweep.ops;
     const SweepOrder& order = sweep.order;
@@ -268,7 +270,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
     float dK[MT][DT][4], dV[MT][ET][4];
     mma::zero(dK);
     mma::zero(dV);
-    const auto visit = [&](const int tile, const int stage, auto steady) {
+    const auto visit = [&](const int tile, const int stage, auto steady, const bool whole) {
         const T* const Q_i = s.Q + stage * Br * Smem::LDD;
         const T* const dO_i = s.dO + stage * Br * Smem::LDE;
         const RowTerm<float>* const terms_i = s.terms + stage * Br;
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
         const long long i0 = queries.begin + (long long)tile * Br;
         const int rows = (int)min_ll(Br, queries.end - i0);
         // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-        const Scores<float> scores = Scores<float>::of(ops, p, i0 + rows);
+        const Scores<float> scores = Scores<float>::of(ops, p, i0 + rows, whole);
         const bool partial = scores.partial(i0, rows, j0, keys, Bc);
         unsigned hidden[MT][2];
 #pragma unroll
@@ -351,11 +353,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
     using KLoader = mma::ChunkLoader<T, Bc, D, Threads>;
     using VLoader = mma::ChunkLoader<T, Bc, E, Threads>;
     const Sweep& sweep = shared_sweep(smem + Smem::sweep_offset, [&] {
-        const BlockOperands ops = query_block<Br, false>(p);
+        const BlockOperands ops = query_block<Br, Bc, false>(p);
         const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(ops.source(p.k, kK, p.d, p.flags, kVectorK),
                                                                     ops.source(p.v, kV, p.e, p.flags, kVectorV));
         const TileRange plain = plain_tiles<Br, Bc, false>(ops, p.left, p.right, true);
-        return Sweep{ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages)};
+        return Sweep{ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages,
+                                          visited<Bc>(p, ops.queries.begin / Br, ops.keys))};
     });
     const BlockOperands& ops = sweep.ops;
     const SweepOrder& order = sweep.order;
@@ -391,7 +394,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
 
     float dQ[MT][DT][4];
     mma::zero(dQ);
-    const auto visit = [&](const int tile, const int stage, auto steady) {
+    const auto visit = [&](const int tile, const int stage, auto steady, const bool whole) {
         const T* const K_j = s.K + stage * Bc * Smem::LDD;
         const T* const V_j = s.V + stage * Bc * Smem::LDE;
         float P[MT][NT][4], dS[MT][NT][4];  // S and dP at first
@@ -417,7 +420,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
         }
         const long long j0 = ops.keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        const Scores<float> scores = Scores<float>::of(ops, p, p.n);
+        const Scores<float> scores = Scores<float>::of(ops, p, p.n, whole);
         const bool partial = scores.partial(i0, rows, j0, cols, Bc);
         unsigned hidden[MT][2];
 #pragma unroll

@@ -7,7 +7,15 @@
 
 #include "tile.cuh"
 
+// The kernel's mods (mods.cuh): a struct the source defines ahead of the kernels, or none.
+#ifndef CUFLASH_MODS
+#define CUFLASH_MODS NoMods
+#endif
+
 namespace cuflash {
+
+using Mods = mods::CUFLASH_MODS;
+constexpr bool kHasMods = Mods::kScore || Mods::kMask;
 
 // Launch flags (Params::flags, forward and backward): which operands take 16-byte loads, and which optional operands
 // exist. kBiasHides: the bias may hold -inf, which hides its key as the mask does (by selection, per element).
@@ -70,13 +78,14 @@ __device__ __forceinline__ void load_rows_async(T* tile, const TileSource<T>& sr
 // What a block reads of the launch: the queries and keys it works on (a block of queries: its own rows, and the keys
 // they see; a block of keys: its own keys, and the queries that see them), every operand's base offset for its
 // batch item, the geometry table (strides, read where used), the diagonal offset m - n (bottom-right aligned) and
-// which optional operands exist. Made by query_block or key_block, nothing else.
+// which optional operands exist; with sinks (Mods::kSinks), whether its rows' softmax starts from the sink (split
+// keys: split 0's only, so that the splits' merge counts it once). Made by query_block or key_block, nothing else.
 struct BlockOperands {
     Range queries, keys;
     BatchOffsets base;
     const Geometry* g;
     long long offset;
-    bool has_mask, has_bias, bias_hides;
+    bool has_mask, has_bias, bias_hides, sink;
 
     __device__ __forceinline__ const OperandStrides& strides(Operand x) const { return g->op[x]; }
     // Operand x (its array `at`, `width` columns wide) from its batch item's row 0, 16-byte copies by `flag`.
@@ -92,33 +101,42 @@ struct BlockOperands {
 
 template <typename P> __device__ __forceinline__ BlockOperands block_operands(const P& p, Range queries, Range keys) {
     return {queries, keys, batch_offsets(*p.geometry, batch_item()), p.geometry, p.m - p.n,
-            (p.flags & kHasMask) != 0, (p.flags & kHasBias) != 0, (p.flags & kBiasHides) != 0};
+            (p.flags & kHasMask) != 0, (p.flags & kHasBias) != 0, (p.flags & kBiasHides) != 0, true};
 }
 
-// A block of Br queries (the forward's, bwd_*dq's). With Split, gridDim.x holds (key splits) x (query tiles) blocks:
-// this block's tile and split. A split sweeps only its share of the keys and writes its partial out and lse at its
-// own place (the launch code combines the splits). A compile-time choice, like Sliced: the split arithmetic costs
-// the other kernels registers. Query tiles go last first: under a causal mask the last rows see the most keys, and
-// the heaviest blocks should start first, not leave the GPU waiting on them at the end.
-template <int Br, bool Split, typename P> __device__ __forceinline__ BlockOperands query_block(const P& p) {
+// With a block mask (Mods::kBlocks) a block's swept range starts on a tile of the block mask's (the launch's tiles,
+// B along the swept axis): the keys or queries before its first visible one are hidden by the window there.
+template <int B> __device__ __forceinline__ Range on_tiles(Range swept) {
+    if constexpr (Mods::kBlocks)
+        if (swept.begin < swept.end) swept.begin -= swept.begin % B;
+    return swept;
+}
+
+// A block of Br queries (the forward's, bwd_*dq's) sweeping tiles of Bc keys. With Split, gridDim.x holds (key
+// splits) x (query tiles) blocks: this block's tile and split. A split sweeps only its share of the keys and writes
+// its partial out and lse at its own place (the launch code combines the splits). A compile-time choice, like
+// Sliced: the split arithmetic costs the other kernels registers. Query tiles go last first: under a causal mask the
+// last rows see the most keys, and the heaviest blocks should start first, not leave the GPU waiting on them.
+template <int Br, int Bc, bool Split, typename P> __device__ __forceinline__ BlockOperands query_block(const P& p) {
     const Geometry& g = *p.geometry;
     const long long tiles = max_ll(1, (p.n + Br - 1) / Br), split = Split ? blockIdx.x / tiles : 0;
     const long long i0 = (tiles - 1 - (Split ? blockIdx.x % tiles : blockIdx.x)) * (long long)Br;
     const long long i1 = min_ll(p.n, i0 + Br);
-    BlockOperands ops = block_operands(p, {i0, i1}, key_range(i0, i1, p.m, p.m - p.n, p.left, p.right));
+    BlockOperands ops = block_operands(p, {i0, i1}, on_tiles<Bc>(key_range(i0, i1, p.m, p.m - p.n, p.left, p.right)));
     if constexpr (Split) {
         ops.keys.begin = max_ll(ops.keys.begin, split * g.split_keys);
         ops.keys.end = max_ll(ops.keys.begin, min_ll(ops.keys.end, (split + 1) * g.split_keys));
         ops.base.of[kOut] += split * g.split_out;
         ops.base.of[kLse] += split * g.split_lse;
+        ops.sink = split == 0;
     }
     return ops;
 }
 
-// A block of Bc keys (bwd_*dkdv's): its keys, and the queries that see them (the tiles it sweeps).
-template <int Bc, typename P> __device__ __forceinline__ BlockOperands key_block(const P& p) {
+// A block of Bc keys (bwd_*dkdv's): its keys, and the queries that see them (the tiles of Br it sweeps).
+template <int Bc, int Br, typename P> __device__ __forceinline__ BlockOperands key_block(const P& p) {
     const long long j0 = blockIdx.x * (long long)Bc, j1 = min_ll(p.m, j0 + Bc);
-    return block_operands(p, query_range(j0, j1, p.n, p.m - p.n, p.left, p.right), {j0, j1});
+    return block_operands(p, on_tiles<Br>(query_range(j0, j1, p.n, p.m - p.n, p.left, p.right)), {j0, j1});
 }
 
 // In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,
@@ -139,21 +157,28 @@ __device__ __forceinline__ bool tile_fully_visible(long long i0, long long i1, l
     return j0 >= (i1 - 1) + offset - left && (j1 - 1) <= i0 + offset + right;
 }
 
-// Scale, bias and visibility in the log2 domain, for one block: a hidden pair's score becomes -inf by selection and
-// `visible` says so (the row's span and the mask decide, and a bias of -inf hides its key as the mask does, where
-// ops.bias_hides, so a NaN in that key never counts). Every kernel's scores that are not plain (a tile whose pairs
-// are all visible, without mask or bias: scaled and nothing else) go through it. n: the rows that exist (the
-// backward's key blocks pass their swept tile's end, so rows past it are hidden whatever the tile).
+// Scale, bias, visibility and the mods in the log2 domain, for one block: a hidden pair's score becomes -inf by
+// selection and `visible` says so (the row's span and the mask decide, a bias of -inf hides its key as the mask
+// does, where ops.bias_hides, so a NaN in that key never counts, and mask_mod joins them). Every kernel's scores
+// that are not plain (a tile whose pairs are all visible, without mask, bias or mods: scaled and nothing else) go
+// through it. n: the rows that exist (the backward's key blocks pass their swept tile's end, so rows past it are
+// hidden whatever the tile). whole: the block mask shows the tile whole, so mask_mod is not evaluated on it.
 template <typename A> struct Scores {
     const BlockOperands& ops;
     const A* bias;
     const bool* mask;
-    A scale_log2;
+    A scale_log2, scale;
     long long n, left, right;
+    bool whole;
+    const mods::Args* args;
+    mods::BatchIndex<Mods::kBatchAxes> batch;  // the mods' batch indices (kHasMods)
 
     template <typename P>
-    __device__ __forceinline__ static Scores of(const BlockOperands& ops, const P& p, long long n) {
-        return {ops, p.bias, p.mask, p.scale_log2, n, p.left, p.right};
+    __device__ __forceinline__ static Scores of(const BlockOperands& ops, const P& p, long long n,
+                                                bool whole = false) {
+        Scores s{ops, p.bias, p.mask, p.scale_log2, p.scale, n, p.left, p.right, whole, &p.mods, {}};
+        if constexpr (kHasMods) s.batch = mods::BatchIndex<Mods::kBatchAxes>::of(p.mods, batch_item());
+        return s;
     }
 
     __device__ __forceinline__ RowSpan span(long long i, long long j0, int cols) const {
@@ -162,32 +187,48 @@ template <typename A> struct Scores {
         return {(int)min_ll(max_ll(lo, 0), cols), (int)max_ll(min_ll(hi, cols), 0)};
     }
     // Whether a tile of query rows [i0, i0 + rows) x keys [j0, j0 + cols) pays for per-element visibility: it
-    // straddles the window, carries a mask or a bias that may hide, or ends early (cols < Bc). Full tiles of
+    // straddles the window, carries a mask, mods or a bias that may hide, or ends early (cols < Bc). Full tiles of
     // neither kind skip all of it.
     __device__ __forceinline__ bool partial(long long i0, int rows, long long j0, int cols, int Bc) const {
-        return ops.has_mask || ops.bias_hides || cols < Bc ||
+        return kHasMods || ops.has_mask || ops.bias_hides || cols < Bc ||
                !tile_fully_visible(i0, i0 + rows, j0, j0 + cols, ops.offset, left, right);
     }
-    // Score S of query i and key j (column jj of its tile, whose row span is `span`).
-    __device__ __forceinline__ A operator()(A S, long long i, long long j, int jj, RowSpan span, bool& visible) const {
+    // Score S of query i and key j (column jj of its tile, whose row span is `span`). slope: where the backward
+    // wants d score_mod / d score (kernels with a score_mod).
+    __device__ __forceinline__ A operator()(A S, long long i, long long j, int jj, RowSpan span, bool& visible,
+                                            A* slope = nullptr) const {
         constexpr A kLog2e = A(1.4426950408889634);
         visible = jj >= span.lo && jj < span.hi;
         if (visible && ops.has_mask) visible = mask[ops.base.of[kMask] + i * ops.strides(kMask).row +
                                                     j * ops.strides(kMask).col];
-        A s = S * scale_log2;
+        A s = S * scale_log2, b = A(0);
         if (visible && ops.has_bias) {
-            const A b = bias[ops.base.of[kBias] + i * ops.strides(kBias).row + j * ops.strides(kBias).col];
+            b = bias[ops.base.of[kBias] + i * ops.strides(kBias).row + j * ops.strides(kBias).col];
             if (ops.bias_hides) visible = b != -infinity<A>();
             s += b * kLog2e;
         }
+        if constexpr (kHasMods) s = with_mods(S * scale + b, s, i, j, visible, slope);
         return visible ? s : -infinity<A>();
     }
     // The same for a tile element, its row's span worked out here (partial: whether the tile needs one at all; a
     // tile that is not needs only the row's i < n).
     __device__ __forceinline__ A operator()(A S, long long i, long long j, int jj, int cols, bool partial,
-                                            bool& visible) const {
+                                            bool& visible, A* slope = nullptr) const {
         const RowSpan row = partial ? span(i, j - jj, cols) : RowSpan{0, i < n ? cols : 0};
-        return (*this)(S, i, j, jj, row, visible);
+        return (*this)(S, i, j, jj, row, visible, slope);
+    }
+    // The mods of a pair that exists (i < n, j among the block's keys), hidden or not (an index past a table is an
+    // error wherever a mod is evaluated, as on the numpy backend's tiles): mask_mod joins `visible`, score_mod maps
+    // the scaled score after bias to the one the softmax sees (s, in the log2 domain), its slope to *slope.
+    __device__ __forceinline__ A with_mods(A score, A s, long long i, long long j, bool& visible, A* slope) const {
+        if (i >= n || j >= ops.keys.end) return s;
+        if constexpr (Mods::kMask)
+            if (!whole) visible = Mods::template mask<A>(batch.at, i, j, *args) && visible;
+        if constexpr (Mods::kScore) {
+            s = Mods::template score<A>(score, batch.at, i, j, *args) * A(1.4426950408889634);
+            if (slope) *slope = Mods::template slope<A>(score, batch.at, i, j, *args);
+        }
+        return s;
     }
 };
 
@@ -249,6 +290,23 @@ template <typename Acc, int R, int Lanes, bool Fast> struct OnlineSoftmax {
     __device__ __forceinline__ void start() {
 #pragma unroll
         for (int r = 0; r < R; ++r) m[r] = lowest<Acc>(), l[r] = Acc(0);
+    }
+    // With sinks (Mods::kSinks), a block of queries' rows start from its batch item's sink instead: a logit that
+    // joins each row's sum once (its first lane's share) and carries no value. m_i starts at the sink where that
+    // is above the lowest finite value, and l_i at its exp2(sink - m_i): 1, or 0 for a sink of -inf, NaN for NaN.
+    template <typename P> __device__ __forceinline__ void start(const BlockOperands& ops, const P& p) {
+        if constexpr (!Mods::kSinks) {
+            start();
+        } else {
+            const Acc sink = ops.sink ? static_cast<const Acc*>(p.mods.sinks)[batch_item()] * Acc(1.4426950408889634)
+                                      : -infinity<Acc>();
+            const bool first = threadIdx.x % Lanes == 0;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                m[r] = max_(lowest<Acc>(), sink);
+                l[r] = !first ? Acc(0) : sink >= m[r] ? Acc(1) : exp2_(sink - m[r]);
+            }
+        }
     }
     // The tile's row maxima times S_scale (what takes S to the log2 domain) over each row's lanes: a row whose max
     // grew moves m_i there, its old max kept in m_old. Whether any row of the warp moved (a warp-uniform answer).
@@ -326,11 +384,61 @@ __device__ __forceinline__ TileRange seen_whole(Range swept, int B, long long i0
 template <int Br, int Bc, bool KeysOwn>
 __device__ __forceinline__ TileRange plain_tiles(const BlockOperands& ops, long long left, long long right,
                                                  bool allowed) {
-    if (!allowed || ops.has_mask || ops.has_bias) return {0, 0};
+    if (!allowed || kHasMods || Mods::kBlocks || ops.has_mask || ops.has_bias) return {0, 0};
     if constexpr (!KeysOwn) return seen_whole(ops.keys, Bc, ops.queries.begin, ops.queries.size(), ops.offset, left,
                                               right);
     if (ops.keys.size() < Bc) return {0, 0};
     return seen_whole(ops.queries, Br, ops.keys.begin, Bc, -ops.offset, right, left);
+}
+
+// The tiles a block visits along its swept axis, of B from the swept range's begin: every one, visit t tile t;
+// or, with a block mask (Mods::kBlocks), those it shows, in order, and whether the mask shows each whole. Worked
+// out once per block (visited).
+struct Visited {
+    int tiles;         // visits
+    const int* shown;  // kBlocks: the shown tiles' entries (mods::Visits::list) from the first in the swept range
+    int base;          // kBlocks: the block mask's number of the swept range's first tile
+
+    __device__ __forceinline__ int tile(int t) const {
+        if constexpr (Mods::kBlocks) return (shown[t] >> 1) - base;
+        return t;
+    }
+    __device__ __forceinline__ bool whole(int t) const {
+        if constexpr (Mods::kBlocks) return (shown[t] & 1) != 0;
+        return false;
+    }
+};
+
+// The first of the n ascending entries (2 * tile + whole) at `list` whose tile is `tile` or more.
+__device__ __forceinline__ int first_from(const int* list, int n, long long tile) {
+    int lo = 0;
+    while (n > 0) {
+        const int half = n / 2;
+        if ((list[lo + half] >> 1) < tile) lo += half + 1, n -= half + 1;
+        else n = half;
+    }
+    return lo;
+}
+
+// The visits of a block that owns tile `owned` (of its own axis) and sweeps `swept` in tiles of B (swept.begin on
+// a tile: on_tiles).
+template <int B, typename P> __device__ __forceinline__ Visited visited(const P& p, long long owned, Range swept) {
+    const int tiles = (int)((swept.end - swept.begin + B - 1) / B);
+    if constexpr (!Mods::kBlocks) {
+        return {tiles, nullptr, 0};
+    } else {
+        const mods::Visits& v = p.mods.visits;
+        const auto batch = mods::BatchIndex<Mods::kBatchAxes>::of(p.mods, batch_item());
+        long long entry = 0;
+#pragma unroll
+        for (int axis = 0; axis < Mods::kBatchAxes; ++axis) entry += batch.at[axis] * v.entry_stride[axis];
+        const long long row = entry * v.owned + owned;
+        const int* const list = v.list + row * v.width;
+        const int count = v.count[row];
+        const long long base = swept.begin / B;
+        const int first = first_from(list, count, base), last = first_from(list, count, base + tiles);
+        return {last - first, list + first, (int)base};
+    }
 }
 
 // The order of a block's sweep over the tiles of B along its swept axis (the forward's and bwd_mma_dq's key tiles,
@@ -340,18 +448,22 @@ __device__ __forceinline__ TileRange plain_tiles(const BlockOperands& ops, long 
 // each thread's chunk loaders (tiles in order from the first plain one on; `chunked`), so a loop compiled apart
 // runs them without visibility, masks, biases, checks or choices of copy.
 struct SweepOrder {
-    int tiles, full;   // tiles, and those holding all B elements (the first ones)
+    int tiles, full;   // visits, and the tiles holding all B elements (the first ones)
     TileRange plain;
     int steady;        // visits of the steady loop
     bool chunk_loads;  // whether whole tiles take the chunk loaders (16-byte rows the loaders can address)
+    Visited shown;     // with a block mask: the tiles it shows (the visits; no plain tiles, no chunk loaders)
 
     __device__ __forceinline__ static SweepOrder of(Range swept, int B, TileRange plain, bool chunk_loads,
-                                                    int Stages) {
+                                                    int Stages, Visited shown) {
         const int full = (int)((swept.end - swept.begin) / B);
+        if constexpr (Mods::kBlocks) return {shown.tiles, full, {0, 0}, 0, false, shown};
         const int steady = chunk_loads ? max(0, min(plain.hi, full - (Stages - 1)) - plain.lo) : 0;
-        return {(int)((swept.end - swept.begin + B - 1) / B), full, plain, steady, chunk_loads};
+        return {shown.tiles, full, plain, steady, chunk_loads, shown};
     }
+    __device__ __forceinline__ bool whole(int t) const { return shown.whole(t); }
     __device__ __forceinline__ int at(int t) const {
+        if constexpr (Mods::kBlocks) return shown.tile(t);
         return t < tiles - plain.lo ? plain.lo + t : t - (tiles - plain.lo);
     }
     __device__ __forceinline__ bool chunked(int tile) const {

@@ -56,6 +56,7 @@ struct FwdBlock {
 
     const Params<T, O>& p;
     const BlockOperands ops;
+    const Visited visits;  // the key tiles it visits
     const TileSource<T> Q, K, V;
     T* const Q_s;
     T* const K_s;
@@ -66,7 +67,8 @@ struct FwdBlock {
     RowTile<Acc, RPT, EPT> O_i;  // unnormalized
 
     __device__ __forceinline__ FwdBlock(const Params<T, O>& params, unsigned char* smem)
-        : p(params), ops(query_block<Br, Split>(p)), Q(ops.source(p.q, kQ, p.d, p.flags, kVectorQ)),
+        : p(params), ops(query_block<Br, Bc, Split>(p)), visits(visited<Bc>(p, ops.queries.begin / Br, ops.keys)),
+          Q(ops.source(p.q, kQ, p.d, p.flags, kVectorQ)),
           K(ops.source(p.k, kK, p.d, p.flags, kVectorK)), V(ops.source(p.v, kV, p.e, p.flags, kVectorV)),
           Q_s(reinterpret_cast<T*>(smem + Smem::q_offset)), K_s(reinterpret_cast<T*>(smem + Smem::k_offset)),
           V_s(reinterpret_cast<T*>(smem + Smem::v_offset)), P_s(reinterpret_cast<Acc*>(smem + Smem::p_offset)),
@@ -77,13 +79,18 @@ struct FwdBlock {
     // With two stages the first key tile's copies go out too.
     __device__ __forceinline__ void start() {
         if constexpr (!Sliced) load_rows<T, Br, D, Smem::LDQ, Threads>(Q_s, Q, ops.queries.begin, ops.queries.size());
-        softmax.start();
+        softmax.start(ops, p);
 #pragma unroll
         for (int a = 0; a < RPT; ++a)
 #pragma unroll
             for (int c = 0; c < EPT; ++c) O_i.x[a][c] = Acc(0);
         if constexpr (Stages == 2)
-            if (ops.keys.begin < ops.keys.end) load_kv_async(ops.keys.begin, 0);
+            if (visits.tiles > 0) load_kv_async(key_start(0), 0);
+    }
+
+    // The first key of visit t's tile.
+    __device__ __forceinline__ long long key_start(int t) const {
+        return ops.keys.begin + (long long)visits.tile(t) * Bc;
     }
 
     // Two stages: K_j and V_j of tile j + 1 are copied (cp.async) into the other stage while tile j is computed.
@@ -94,9 +101,9 @@ struct FwdBlock {
         ptx::cp_async_commit();
     }
 
-    // S = Q_i K_j^T for the key tile at j0 (in `stage`), one D-wide slice of the head dimension at a time; its K_j
-    // and V_j have landed when it returns.
-    __device__ __forceinline__ void scores(ScoreTile& S, long long j0, int cols, int stage) {
+    // S = Q_i K_j^T for the key tile at j0 (visit t, in `stage`), one D-wide slice of the head dimension at a time;
+    // its K_j and V_j have landed when it returns.
+    __device__ __forceinline__ void scores(ScoreTile& S, int t, long long j0, int cols, int stage) {
 #pragma unroll
         for (int a = 0; a < RPT; ++a)
 #pragma unroll
@@ -104,7 +111,7 @@ struct FwdBlock {
         if constexpr (Stages == 2) {
             ptx::cp_async_wait<0>();
             __syncthreads();  // tile j has landed for every thread, and every thread is done with tile j - 1 and P
-            if (j0 + Bc < ops.keys.end) load_kv_async(j0 + Bc, stage ^ 1);
+            if (t + 1 < visits.tiles) load_kv_async(key_start(t + 1), stage ^ 1);
             tile_product<RPT, CPT, RG, Smem::LDQ, Smem::LDK>(S.x, Q_s, K_s + stage * Bc * Smem::LDK, (int)p.d, ty,
                                                              tx);
         } else {
@@ -127,7 +134,7 @@ struct FwdBlock {
     // The score step; a hidden key's score becomes -inf by selection and its bit is remembered. A full tile
     // without bias is scaled and nothing else (its rows past n are computed, never stored).
     __device__ __forceinline__ void score_step(ScoreTile& S, unsigned (&hidden)[RPT], long long j0, int cols,
-                                               bool partial) const {
+                                               bool partial, bool whole) const {
         if (!partial && !ops.has_bias) {
 #pragma unroll
             for (int a = 0; a < RPT; ++a) {
@@ -137,7 +144,7 @@ struct FwdBlock {
             }
             return;
         }
-        const Scores<Acc> step = Scores<Acc>::of(ops, p, p.n);
+        const Scores<Acc> step = Scores<Acc>::of(ops, p, p.n, whole);
 #pragma unroll
         for (int a = 0; a < RPT; ++a) {
             hidden[a] = 0;
@@ -169,13 +176,14 @@ struct FwdBlock {
     // One key tile: S, the score step, P, then O_i += P_ij V_j, a chunk of each P row at a time, V_j's rows in each
     // lane's runs of columns; on partial tiles hidden keys are skipped by selection (keys past cols are hidden
     // there, and their V rows zero).
-    __device__ __forceinline__ void key_tile(long long j0, int stage) {
+    __device__ __forceinline__ void key_tile(int t, int stage) {
+        const long long j0 = key_start(t);
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         ScoreTile S;
-        scores(S, j0, cols, stage);
+        scores(S, t, j0, cols, stage);
         const bool partial = Scores<Acc>::of(ops, p, p.n).partial(ops.queries.begin, ops.queries.size(), j0, cols, Bc);
         unsigned hidden[RPT];
-        score_step(S, hidden, j0, cols, partial);
+        score_step(S, hidden, j0, cols, partial, visits.whole(t));
         probabilities(S, hidden);
         weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDV>(O_i.x, P_s, P_s, V_s + stage * Bc * Smem::LDV, cols,
                                                           partial, ty, tx);
@@ -211,8 +219,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fwd(const Params<T, typename Ou
     FwdBlock<T, Br, Bc, D, E, Warps, Sliced, Split, Stages> block(p, smem);
     block.start();
     int stage = 0;  // K_j's and V_j's buffer
-    for (long long j0 = block.ops.keys.begin; j0 < block.ops.keys.end; j0 += Bc, stage = Stages == 2 ? stage ^ 1 : 0)
-        block.key_tile(j0, stage);
+    for (int t = 0; t < block.visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) block.key_tile(t, stage);
     block.epilogue();
 }
 

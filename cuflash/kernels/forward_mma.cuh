@@ -100,12 +100,13 @@ struct FwdMmaBlock {
     // The plain tiles (full, fully visible, no mask or bias) keep raw scores: with a positive scale the row max of
     // raw scores, times scale * log2(e), is the max of the scaled ones, and P = exp2 of one FMA.
     __device__ __forceinline__ static Sweep sweep_of(const Params<T, O>& p) {
-        const BlockOperands ops = query_block<Br, Split>(p);
+        const BlockOperands ops = query_block<Br, Bc, Split>(p);
         const bool positive_scale = p.scale_log2 > Acc(0) && p.scale_log2 < infinity<Acc>();
         const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(ops.source(p.k, kK, p.d, p.flags, kVectorK),
                                                                     ops.source(p.v, kV, p.e, p.flags, kVectorV));
         const TileRange plain = plain_tiles<Br, Bc, false>(ops, p.left, p.right, positive_scale);
-        return {ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages)};
+        return {ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages,
+                                     visited<Bc>(p, ops.queries.begin / Br, ops.keys))};
     }
 
     const Params<T, O>& p;
@@ -188,7 +189,7 @@ struct FwdMmaBlock {
                     Math::template load_a<Smem::LDQ>(Q_f[kQRegs ? mt : 0][kQRegs ? kk : 0], Q_lane, 16 * mt,
                                                      Math::kStep * kk, kLoBytes);
         }
-        softmax.start();
+        softmax.start(ops, p);
         O_i.zero();
     }
 
@@ -285,7 +286,7 @@ struct FwdMmaBlock {
         // Tile-wide: whether the tile is plain, its keys, and whether a hidden key's value row holds inf or NaN
         // (a hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look, and then P V runs on CUDA
         // cores with hidden keys skipped).
-        const Scores<Acc> step = Scores<Acc>::of(ops, p, p.n);
+        const Scores<Acc> step = Scores<Acc>::of(ops, p, p.n, order.whole(t));
         const bool plain_tile = tile >= order.plain.lo && tile < order.plain.hi;
         const Acc S_scale = plain_tile ? p.scale_log2 : Acc(1);  // what takes S to the log2 domain
         const long long j0 = ops.keys.begin + (long long)tile * Bc;

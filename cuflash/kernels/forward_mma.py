@@ -23,7 +23,7 @@ TILES_PER_WARP = (1, 2)
 MAX_BC = 128  # a row's hidden-key bits fit one 32-bit word per lane
 STAGES = (2, 3)
 ROW_PAD_BYTES = 16  # padding per shared-memory row (one 16-byte chunk)
-SWEEP_BYTES = 192  # the block's Sweep in shared memory (its view of the launch and of its swept tiles), aligned
+SWEEP_BYTES = 208  # the block's Sweep in shared memory (its view of the launch and of its swept tiles), aligned
 # Q_i's A fragments of the 16-bit types stay in registers for the whole sweep when MT (D + Bc) is at most this
 # (they and S's then take at most a quarter of it); float32's and float64's are read step by step.
 Q_REGISTER_WORDS = 192

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "mods.cuh"
 #include "ptx.cuh"
 
 namespace cuflash {
@@ -100,8 +101,8 @@ struct Geometry {
 // Everything a kernel takes, one struct passed by value (its layout declared once in cuflash/launch.py, PARAMS,
 // and checked against this by the compiler): every operand (null where absent; the forward's first, then the
 // backward's, in Operand's order), the geometry table, the problem's sizes, the window's reach (left, right: n +
-// m + 1 for an unbounded side), scale log2(e) and scale, and the launch flags (LaunchFlags). O: the output's
-// element type (the accumulator's for split keys' partial results).
+// m + 1 for an unbounded side), scale log2(e) and scale, the launch flags (LaunchFlags) and what the mods and
+// sinks read (mods.cuh). O: the output's element type (the accumulator's for split keys' partial results).
 template <typename T, typename O = T> struct Params {
     using Acc = typename AccOf<T>::type;
     const T* q;
@@ -121,6 +122,7 @@ template <typename T, typename O = T> struct Params {
     long long n, m, d, e, left, right;
     Acc scale_log2, scale;
     int flags;
+    mods::Args mods;
 };
 
 struct BatchOffsets { long long of[kOperands]; };
