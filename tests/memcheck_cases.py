@@ -139,6 +139,33 @@ def case_backward():
             assert_grads_accurate(grads, dout, q, k, v, **options)
 
 
+def case_patterns():
+    """The kernels with mods compiled in (a score_mod and mask_mod reading captured arrays, sinks) and a block
+    mask's visits, forward and backward, CUDA cores and tensor cores, with tails in both tiles; and a mod that
+    indexes past its array, which the kernels flag without reading there."""
+    from cuflash import mods
+    rng = np.random.default_rng(9)
+    ids = np.sort(rng.integers(0, 3, 45))
+    pattern = mods.and_masks(mods.documents(ids), lambda b, h, i, j: (i + j) % 5 != 0)
+    score_mod = mods.alibi(rng.random(2))
+    made = cuflash.block_mask(pattern, (1, 2), 37, 45, block=(16, 16))
+    for dtype, block in [(np.float32, BlockConfig(16, 16, 2)), (np.float16, BlockConfig.mma(16, 16, 1, stages=2))]:
+        q, k, v = (randn(rng, (1, 2, length, 24), dtype) for length in (37, 45, 45))
+        sinks = randn(rng, (2,), np.float32)
+        for options in (dict(score_mod=score_mod, mask_mod=pattern, sinks=sinks), dict(block_mask=made)):
+            out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", block=block, return_lse=True,
+                                         **options)
+            dout = randn(rng, out.shape, dtype)
+            cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend="simt", block=block, **options)
+    try:
+        cuflash.attention(q, k, v, mask_mod=lambda b, h, i, j: ids[i + 10] < 2, backend="simt")
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("an index past a captured array was not flagged")
+    print("memcheck ok", flush=True)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import blockmask, mods
 
+from harness import run_under_memcheck
+from reference import assert_accurate, assert_grads_accurate
+
 BACKENDS = ["numpy", "simt"]
 
 
@@ -74,6 +77,28 @@ def test_retiling_never_misreads_a_tile(new):
         np.testing.assert_array_equal(retiled.kinds, exact)
 
 
+@settings(max_examples=30)
+@given(st.integers(0, 2**16), st.integers(1, 70), st.integers(1, 70), st.integers(1, 24), st.integers(1, 24),
+       st.integers(1, 40), st.integers(1, 40))
+def test_covering_any_tiles_never_hides_or_fills_wrongly(seed, n, m, br, bc, new_br, new_bc):
+    """Tiles of any size over a block mask's: one called hidden (full) is hidden (full) in the dense pattern, and
+    the kernels' visit lists (both directions) hold exactly the tiles not hidden, ascending, each with its kind."""
+    _, dense = documents_case(seed, n=n, m=m)
+    covered = cuflash.block_mask(mask=dense, block=(br, bc)).covering(new_br, new_bc)
+    exact = dense_kinds(dense, new_br, new_bc)
+    assert covered.kinds.shape == exact.shape
+    decided = covered.kinds != blockmask.PARTIAL
+    np.testing.assert_array_equal(covered.kinds[decided], exact[decided])
+    for keys_own in (False, True):
+        count, entries, owned = covered.visits(new_br, new_bc, keys_own)
+        kinds = np.swapaxes(covered.kinds, -1, -2) if keys_own else covered.kinds
+        assert owned == kinds.shape[-2]
+        for row, tile_kinds in enumerate(kinds.reshape(-1, kinds.shape[-1])):
+            shown = np.flatnonzero(tile_kinds)
+            assert count[row] == len(shown)
+            np.testing.assert_array_equal(entries[row, :len(shown)], 2 * shown + (tile_kinds[shown] == 2))
+
+
 def test_a_mask_that_cannot_be_retiled_is_refused():
     made = cuflash.block_mask(mods.causal, (), 64, 64, block=(16, 16))
     with pytest.raises(ValueError, match=r"cannot be re-tiled to \(24, 16\)"):
@@ -135,6 +160,42 @@ def test_hidden_tiles_are_never_computed(monkeypatch):
     assert keys == 16 * 16 * int(made.to_dense().sum())
 
 
+KERNEL_BLOCKS = {  # the simt kernels a block mask's visits run through, on tiles of 32 x 32
+    "float16": cuflash.BlockConfig(32, 32, 2, 2, "mma"),  # fwd_mma, bwd_mma_dq, bwd_mma_dkdv
+    "float32": cuflash.BlockConfig(32, 32, 4),  # fwd, bwd_dq, bwd_dkdv
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(KERNEL_BLOCKS))
+def test_the_kernels_visit_only_the_tiles_a_block_mask_shows(dtype):
+    """A block mask that hides more tiles than its mask_mod does and calls a partial tile whole (lies the kernels
+    cannot see through): the kernels' forward and backward equal attention with those tiles hidden, so they never
+    computed them, and with the whole tile's pairs all shown, so they never evaluated mask_mod there; a tile's
+    visits start where causal= starts its sweep."""
+    ids, dense = documents_case(8, n=100, m=100)
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 2, 100, 16)).astype(dtype) for _ in range(3))
+    pattern = mods.documents(ids)
+    honest = cuflash.block_mask(pattern, (2, 2), 100, 100, block=(32, 32))
+    kinds = honest.kinds.copy()
+    for entry in np.ndindex(*kinds.shape[:-2]):
+        shown, partial = np.argwhere(kinds[entry] != blockmask.HIDDEN), np.argwhere(kinds[entry] == blockmask.PARTIAL)
+        kinds[entry][tuple(partial[-1])] = blockmask.FULL
+        kinds[entry][tuple(shown[rng.integers(len(shown))])] = blockmask.HIDDEN
+    lying = blockmask.BlockMask(kinds, honest.shape, honest.block, honest.mask_mod, function=honest.function)
+
+    def elements(kind):
+        return np.repeat(np.repeat(kind, 32, axis=-2), 32, axis=-1)[..., :100, :100]
+    mask = (dense[:, None] | elements(kinds == blockmask.FULL)) & elements(kinds != blockmask.HIDDEN)
+    options = dict(causal=True, backend="simt", block=KERNEL_BLOCKS[dtype])
+    out = np.full(q.shape, np.nan, dtype)
+    got, lse = cuflash.attention(q, k, v, block_mask=lying, out=out, return_lse=True, **options)
+    assert_accurate(got, q, k, v, lse=lse, causal=True, mask=mask)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    grads = cuflash.attention_backward(dout, q, k, v, got, lse, block_mask=lying, **options)
+    assert_grads_accurate(grads, dout, q, k, v, causal=True, mask=mask)
+
+
 def test_a_mask_mod_alone_gets_one_block_mask_per_pattern_and_contents():
     blockmask._cache.clear()
     rng = np.random.default_rng(7)
@@ -171,3 +232,11 @@ def test_a_block_mask_for_another_call_is_a_clear_error():
         cuflash.block_mask()
     with pytest.raises(ValueError, match=r"block must be a pair \(Br, Bc\) of positive ints"):
         cuflash.block_mask(mods.causal, (), 8, 8, block=(0, 8))
+
+
+@pytest.mark.memcheck
+def test_patterns_in_the_kernels_under_address_sanitizer():
+    """The kernels with mods, sinks and a block mask's visits in the emulator's memcheck mode (memcheck_cases.py
+    case_patterns): any out-of-bounds global or shared access aborts, a mod's read past its array included."""
+    result = run_under_memcheck("patterns")
+    assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]
