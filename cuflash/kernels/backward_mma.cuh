@@ -203,7 +203,8 @@ __device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visi
     };
     if (Stages == 2 && order.tiles > 0) load(order.at(0), 0, 1, Steady<false>{});
     int t = 0;
-    for (; t < order.steady; ++t, ring.advance()) step(t, Steady<true>{});
+    if constexpr (kPlainTiles)
+        for (; t < order.steady; ++t, ring.advance()) step(t, Steady<true>{});
     for (; t < order.tiles; ++t, ring.advance()) step(t, Steady<false>{});
 }
 

@@ -16,6 +16,9 @@ namespace cuflash {
 
 using Mods = mods::CUFLASH_MODS;
 constexpr bool kHasMods = Mods::kScore || Mods::kMask;
+// Whether a block may have plain tiles (plain_tiles): not with mods, nor with a block mask's visits, so those
+// kernels compile no steady loop.
+constexpr bool kPlainTiles = !kHasMods && !Mods::kBlocks;
 
 // Launch flags (Params::flags, forward and backward): which operands take 16-byte loads, and which optional operands
 // exist. kBiasHides: the bias may hold -inf, which hides its key as the mask does (by selection, per element).
@@ -384,7 +387,7 @@ __device__ __forceinline__ TileRange seen_whole(Range swept, int B, long long i0
 template <int Br, int Bc, bool KeysOwn>
 __device__ __forceinline__ TileRange plain_tiles(const BlockOperands& ops, long long left, long long right,
                                                  bool allowed) {
-    if (!allowed || kHasMods || Mods::kBlocks || ops.has_mask || ops.has_bias) return {0, 0};
+    if (!kPlainTiles || !allowed || ops.has_mask || ops.has_bias) return {0, 0};
     if constexpr (!KeysOwn) return seen_whole(ops.keys, Bc, ops.queries.begin, ops.queries.size(), ops.offset, left,
                                               right);
     if (ops.keys.size() < Bc) return {0, 0};

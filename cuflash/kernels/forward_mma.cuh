@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fwd_mma(const Params<T, typenam
     if (!in_batch(p)) return;
     Block block(p, shared_sweep(smem + Block::Smem::sweep_offset, [&] { return Block::sweep_of(p); }), smem);
     block.start();
-    block.steady_tiles();
+    if constexpr (kPlainTiles) block.steady_tiles();
     while (block.t < block.order.tiles) block.other_tile();
     block.epilogue();
 }
