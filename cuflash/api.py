@@ -11,7 +11,7 @@ import functools
 import math
 import numbers
 
-from typing import Any, Callable, Literal, Optional, Tuple, Union, overload
+from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -126,7 +126,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
                        score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
                        block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
-                       bias_grad: Flag = False,
+                       bias_grad: Flag = False, score_mod_grads: Sequence[Any] = (),
                        backend: Optional[str] = None, block: Block = None,
                        precision: Optional[str] = None) -> Tuple[Array, ...]:
     """The gradients (dq, dk, dv), and dbias with bias_grad=True, of attention's result given dout, the gradient
@@ -139,19 +139,25 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     float64. Hidden keys (causal, window, mask, -inf bias) get exactly zero gradient, and a NaN or inf in a
     hidden key or value never reaches a gradient. Deterministic: the same inputs give the same bits. precision:
     as attention's, for the backward's kernels. score_mod's derivative with respect to the score is traced from
-    the same function. With sinks=, dsinks (the sinks' own shape) follows the other gradients."""
+    the same function. With sinks=, dsinks (the sinks' own shape) follows the other gradients.
+
+    score_mod_grads: floating arrays score_mod closes over (the very objects: learnable ALiBi slopes, a
+    relative-position table) whose gradients follow, in that order, each of its array's shape and dtype: every read
+    of the array adds dS * d score_mod / d the value read to the element it read (summed in a fixed order:
+    deterministic). These calls run the blocked algorithm on every backend."""
     xp = array_module(q, k, v, mask, bias, out, lse, dout, sinks=sinks)
     with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):
         return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias,
-                                   Patterns(score_mod, mask_mod, sinks, block_mask), bias_grad, backend, block,
-                                   precision)
+                                   Patterns(score_mod, mask_mod, sinks, block_mask), bias_grad, score_mod_grads,
+                                   backend, block, precision)
 
 
 def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias, patterns, bias_grad,
-                        backend, block, precision):
+                        score_mod_grads, backend, block, precision):
     bias_grad = check_flag(bias_grad, "bias_grad")
     saved = [as_array(x, xp, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse"))]
     problem, operands = make_problem(xp, q, k, v, scale, causal, window, mask, bias, saved, precision, patterns)
+    problem = dataclasses.replace(problem, score_mod_grads=score_mod_tables(problem, score_mod_grads))
     if bias_grad and problem.bias is None:
         raise ValueError(f"{NAME}_backward: bias_grad=True asks for the gradient of the bias, but no bias= was "
                          f"given; pass the forward call's bias")
@@ -160,14 +166,50 @@ def _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask
     batch, n, m = problem.batch, problem.n, problem.m
     shapes = ((n, problem.d), (m, problem.d), (m, problem.e)) + (((n, m),) if bias_grad else ())
     grads = [xp.zeros(batch + shape, dtype=problem.acc_dtype) for shape in shapes]
+    tables = [problem.score_mod.arrays[t] for t in problem.score_mod_grads]
+    dtables = [xp.zeros(tuple(a.shape), dtype=problem.acc_dtype) for a in tables]
     if not problem.empty:
-        runner.run_backward(problem, dout, out, lse, grads + [None] * (4 - len(grads)), block=block)
+        runner.run_backward(problem, dout, out, lse, grads + [None] * (4 - len(grads)) + dtables, block=block)
     q, k, v, _, bias = operands
     result = tuple(sum_to(g, x.shape).astype(problem.dtype, copy=False) for g, x in zip(grads, (q, k, v, bias)))
     if problem.sinks is not None:
         dsinks = sum_to(sinks_gradient(problem, dout, out, lse), patterns.sinks.shape)
         result += (dsinks.astype(problem.dtype, copy=False),)
-    return result
+    return result + tuple(g.astype(table_dtype(a, problem.acc_dtype), copy=False) for g, a in zip(dtables, tables))
+
+
+def table_dtype(array, acc) -> np.dtype:
+    """A table gradient's dtype: its array's (a torch tensor's: the accumulation type, cuflash.torch casts it)."""
+    try:
+        return np.dtype(array.dtype)
+    except TypeError:
+        return acc
+
+
+def score_mod_tables(problem, wanted) -> Tuple[int, ...]:
+    """The numbers of score_mod's tables that score_mod_grads= names (by identity), each a real floating one."""
+    if isinstance(wanted, (tuple, list)) and not wanted:
+        return ()
+    if not isinstance(wanted, (tuple, list)):
+        raise TypeError(f"{NAME}_backward: score_mod_grads must be a tuple of arrays score_mod closes over, got "
+                        f"{type(wanted).__name__}")
+    if problem.score_mod is None:
+        raise ValueError(f"{NAME}_backward: score_mod_grads= asks for gradients of arrays score_mod closes over, "
+                         f"but no score_mod= was given")
+    arrays = problem.score_mod.arrays
+    numbers = []
+    for x in wanted:
+        number = next((t for t, a in enumerate(arrays) if a is x), None)
+        if number is None:
+            reads = ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in arrays) or "none"
+            shape = tuple(getattr(x, "shape", ()))
+            raise ValueError(f"{NAME}_backward: score_mod_grads holds an array of shape {shape} that score_mod does "
+                             f"not close over (pass the very arrays it reads; it reads: {reads})")
+        if mods.kind_of_dtype(x.dtype) != "float":
+            raise TypeError(f"{NAME}_backward: score_mod_grads holds an array of dtype {x.dtype}, which has no "
+                            f"gradient; only real floating arrays do")
+        numbers.append(number)
+    return tuple(numbers)
 
 
 def sinks_gradient(problem, dout, out, lse):

@@ -291,8 +291,10 @@ def run_backward(problem, dout, out, lse, grads, block=None):
     with D_i = rowsum(dO_i * O_i) (FlashAttention-2's preprocessing). grads = (dq, dk, dv, dbias or None): arrays
     over the whole batch in the accumulator type, zeroed, accumulated here in a fixed order (deterministic);
     dbias_ij = dS_ij. Hidden pairs contribute nothing, by selection. Written in the arrays' module (problem.xp),
-    so the cupy backend runs the same blocked code on CuPy's matmul."""
-    dq, dk, dv, dbias = grads
+    so the cupy backend runs the same blocked code on CuPy's matmul. Any further grads are those of score_mod's
+    tables problem.score_mod_grads names (table_gradients)."""
+    dq, dk, dv, dbias = grads[:4]
+    dtables = dict(zip(problem.score_mod_grads, grads[4:]))
     xp, acc = problem.xp, problem.acc_dtype
     scale = acc.type(problem.scale)
     patterns = Patterns(problem)
@@ -311,8 +313,14 @@ def run_backward(problem, dout, out, lse, grads, block=None):
             keys = index + (slice(j0, j1),)
             s_ij, visible, raw = tile_scores(problem, patterns, index, scaled_q_i, i0, i1, j0, j1, whole)
             p_ij = exp_shifted(s_ij, shift, xp)  # S_ij is not needed again
-            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, patterns, raw,
-                                        index_grids(problem, index, i0, i1, j0, j1) if raw is not None else None)
+            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
+            if raw is not None:
+                grids = index_grids(problem, index, i0, i1, j0, j1)
+                table_gradients(patterns, dtables, grids, raw, ds_ij)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    ds_ij *= patterns.score_mod.derivative(grids, raw)
+                if visible is not None:
+                    ds_ij = xp.where(visible, ds_ij, 0)  # a derivative may be NaN or inf where a pair is hidden
             visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
             dv[keys] += weighted_values(xp.swapaxes(p_ij, -1, -2), do_i, visible_t, xp, do_finite)
             scaled_k_j = problem.k[keys].astype(acc) * scale  # small: the scale folded into the operand
@@ -322,14 +330,42 @@ def run_backward(problem, dout, out, lse, grads, block=None):
                 dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
 
 
-def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, patterns=None, raw=None, grids=None):
-    """dS_ij = P_ij * (dO_i V_j^T - D_i), through score_mod's derivative at the raw scores where there is one,
-    zero for hidden pairs by selection (a NaN in a hidden value row makes dO_i V_j^T NaN there, and a derivative
-    may be NaN or inf where the pair is hidden)."""
+def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
+    """dS_ij = P_ij * (dO_i V_j^T - D_i) (the gradient of the score the softmax sees), zero for hidden pairs by
+    selection (a NaN in a hidden value row makes dO_i V_j^T NaN there)."""
     xp = problem.xp
     v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
     ds_ij = score_gradient_in_place(xp.matmul(do_i, xp.swapaxes(v_j, -1, -2)), p_ij, delta)
-    if raw is not None:
-        with np.errstate(invalid="ignore", over="ignore"):
-            ds_ij *= patterns.score_mod.derivative(grids, raw)
     return ds_ij if visible is None else xp.where(visible, ds_ij, 0)
+
+
+def table_gradients(patterns, dtables, grids, raw, ds_ij) -> None:
+    """Add one tile's share to the gradients of score_mod's tables (dtables: table number -> its gradient, in the
+    accumulation type): each read of a table adds dS_ij * d score_mod / d the value read to the element it read.
+    Deterministic: the tile's contributions are sorted by element (stably) and summed per element in that order."""
+    score_mod = patterns.score_mod
+    xp = score_mod.xp
+    for number, grad in dtables.items():
+        for index, slope in score_mod.reads(number):
+            with np.errstate(invalid="ignore", over="ignore"):
+                share = ds_ij * score_mod.evaluate(slope, grids, raw)
+            share = xp.where(ds_ij != 0, share, 0)  # a hidden pair's slope may be NaN or inf; its dS_ij is 0
+            scatter_add(grad, [score_mod.evaluate(x, grids, raw) for x in index], share, xp)
+
+
+def scatter_add(target, index, values, xp) -> None:
+    """target[index] += values, repeated elements summed (index: one integer array per axis of target, all
+    broadcastable with values): by a stable sort on the flat element, then one sum per element, so the order of
+    the additions is fixed."""
+    values = xp.asarray(values)
+    arrays = xp.broadcast_arrays(*index, values) if index else [values]
+    flat = xp.zeros(arrays[-1].shape, dtype=np.int64)
+    for axis, at in enumerate(arrays[:-1]):
+        flat = flat * target.shape[axis] + at
+    flat, values = flat.reshape(-1), arrays[-1].reshape(-1)
+    if flat.size == 0:
+        return
+    order = xp.argsort(flat, kind="stable")
+    flat, values = flat[order], values[order]
+    starts = xp.flatnonzero(xp.concatenate([xp.ones(1, dtype=bool), flat[1:] != flat[:-1]]))
+    target.reshape(-1)[flat[starts]] += xp.add.reduceat(values, starts)

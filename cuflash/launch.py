@@ -354,6 +354,8 @@ def kernel_patterns(problem, forward: bool) -> Tuple[Optional[KernelPatterns], O
     sinks = problem.sinks if forward else None
     if score is None and mask is None and sinks is None and blocks is None:
         return None, None
+    if problem.score_mod_grads and not forward:
+        return None, "the gradients of score_mod's arrays are the blocked algorithm's"
     why = kernel_mods.unsupported(score, mask, len(problem.batch))
     if why is not None:
         return None, why

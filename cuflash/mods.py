@@ -746,12 +746,21 @@ def as_module_array(a, xp):
 # The derivative with respect to the score (the backward through score_mod)
 
 
-def derivative(expr: Expr) -> Expr:
-    """d expr / d score, an expression of the same leaves (0 where the expression does not depend on it)."""
+def derivative(expr: Expr, wrt: Optional[Expr] = None) -> Expr:
+    """d expr / d score (wrt: d expr / d that node of it instead, such as one read of a table), an expression of
+    the same leaves (0 where the expression does not depend on it)."""
     memo: Dict[int, Expr] = {}
     for x in nodes(expr):
-        memo[id(x)] = _derivative_node(x, [memo[id(a)] for a in x.args])
+        if wrt is not None and (x is wrt or x.op == "score"):
+            memo[id(x)] = ONE if x is wrt else ZERO
+        else:
+            memo[id(x)] = _derivative_node(x, [memo[id(a)] for a in x.args])
     return memo[id(expr)]
+
+
+def float_reads(expr: Expr, table: int) -> List[Expr]:
+    """The nodes of the expression that read the float table numbered `table`, in evaluation order."""
+    return [x for x in nodes(expr) if x.op == "table" and x.value == table and x.kind == "float"]
 
 
 ZERO, ONE = Expr("const", (), "float", 0.0), Expr("const", (), "float", 1.0)
@@ -835,6 +844,7 @@ class Bound:
         self.traced, self.xp, self.acc = traced, xp, np.dtype(acc)
         self.tables = prepared_tables(traced, xp, self.acc)
         self._derivative: Optional[Expr] = None
+        self._reads: Dict[int, List[Tuple[Tuple[Expr, ...], Expr]]] = {}
 
     def __call__(self, grids, score=None, consume_score=False):
         return evaluate(self.traced.expr, grids, self.tables, self.acc, score, self.xp, f"{self.traced.kind}_mod",
@@ -844,6 +854,17 @@ class Bound:
         if self._derivative is None:
             self._derivative = derivative(self.traced.expr)
         return evaluate(self._derivative, grids, self.tables, self.acc, score, self.xp, "score_mod")
+
+    def reads(self, table: int) -> List[Tuple[Tuple[Expr, ...], Expr]]:
+        """For each read of float table `table`: (its index expressions, d score_mod / d the value read)."""
+        if table not in self._reads:
+            self._reads[table] = [(x.args, derivative(self.traced.expr, wrt=x))
+                                  for x in float_reads(self.traced.expr, table)]
+        return self._reads[table]
+
+    def evaluate(self, expr: Expr, grids, score):
+        """Another expression of the same leaves (an index, a derivative) on a tile's grids."""
+        return evaluate(expr, grids, self.tables, self.acc, score, self.xp, "score_mod")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ class Problem:
         one logit per batch item that joins every row's softmax denominator and carries no value.
     block_mask: the tiles of mask_mod's (or the mask's) pattern (blockmask.BlockMask) or None: backends visit only
         the tiles it shows and evaluate the pattern on its partial ones. mask_is_block_masks: mask is the array the
-        block mask was made from (a tile it shows whole needs no look at it).
+        block mask was made from (a tile it shows whole needs no look at it). score_mod_grads: the numbers of
+        score_mod's float tables whose gradients the backward computes (attention_backward's score_mod_grads=).
     """
 
     q: Any
@@ -111,12 +112,7 @@ class Problem:
     sinks: Any = None
     block_mask: Any = None
     mask_is_block_masks: bool = False
-
-    @property
-    def has_mods(self) -> bool:
-        """Whether a pattern beyond window, mask and bias takes part (what the kernels do not compile yet)."""
-        return self.score_mod is not None or self.mask_mod is not None or self.sinks is not None or \
-            self.block_mask is not None
+    score_mod_grads: Tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

@@ -38,42 +38,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
               block_mask: Optional[BlockMask] = None, sinks: Optional[torch.Tensor] = None,
               return_lse: bool = False, precision: Optional[str] = None):
     """cuflash.attention with the same keywords, on torch tensors (all on one device); differentiable in q, k,
-    v, bias and sinks (the backward runs with the same precision). score_mod and mask_mod may be written with
-    torch's operations over the tensors they close over (a mod written for flex_attention works unchanged); such
-    calls run as an autograd function rather than the custom operators (a function is no operator argument).
-    Returns out, or (out, lse) with return_lse=True."""
+    v, bias and sinks (the backward runs with the same precision), and in the floating tensors score_mod closes
+    over that require grad (learnable ALiBi slopes, a relative-position table: attention_backward's
+    score_mod_grads). score_mod and mask_mod may be written with torch's operations over the tensors they close
+    over (a mod written for flex_attention works unchanged); such calls run as an autograd function rather than
+    the custom operators (a function is no operator argument). Returns out, or (out, lse) with return_lse=True."""
     left, right = (None, None) if window is None else window
     scale = None if scale is None else float(scale)
     precision = api.check_precision(precision, None, NAME)  # refused here, traced or not; the dtype's rule in the op
     if score_mod is not None or mask_mod is not None or block_mask is not None or sinks is not None:
         patterns = (score_mod, mask_mod, block_mask)
-        check_no_mod_grads(patterns)
         out, lse = PatternAttention.apply(q, k, v, mask, bias, sinks, patterns,
-                                          (scale, bool(causal), left, right, precision))
+                                          (scale, bool(causal), left, right, precision), *learnable(score_mod))
     else:
         out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right,
                                                        precision)
     return (out, lse) if return_lse else out
 
 
-def check_no_mod_grads(patterns) -> None:
-    """Gradients to the tensors a mod closes over are not computed yet: one that asks for them is an error, not a
-    gradient silently left at None."""
-    for fn in patterns[:2]:
-        if fn is None:
-            continue
-        for arg, value in mods.captured(fn):
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise ValueError(f"{NAME}: the mod {getattr(fn, '__name__', fn)} closes over {arg}, a tensor that "
-                                 f"requires grad; gradients to the tensors a mod reads are not computed yet: pass "
-                                 f"{arg}.detach(), or a learnable bias as bias=")
+def learnable(score_mod) -> Tuple[torch.Tensor, ...]:
+    """The floating tensors score_mod closes over that require grad, each once (the autograd function's extra
+    inputs; a mask_mod's tensors take no gradient: the mask is piecewise constant)."""
+    found: dict = {}
+    for _, value in mods.captured(score_mod) if score_mod is not None else ():
+        if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
+            found.setdefault(id(value), value)
+    return tuple(found.values())
 
 
 class PatternAttention(torch.autograd.Function):
     """attention with mods, sinks or a block mask: the front door forward and backward, by tensors' arrays."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, sinks, patterns, params):
+    def forward(ctx, q, k, v, mask, bias, sinks, patterns, params, *tables):
         scale, causal, left, right, precision = params
         keywords = dict(options(mask, bias, scale, causal, left, right, precision), score_mod=patterns[0],
                         mask_mod=patterns[1], block_mask=patterns[2], sinks=to_array(sinks))
@@ -82,7 +79,7 @@ class PatternAttention(torch.autograd.Function):
         out, lse = to_tensor(out, q.device), to_tensor(lse, q.device)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, mask, bias, sinks, out, lse)
-        ctx.keywords = keywords
+        ctx.keywords, ctx.tables = keywords, tables
         return out, lse
 
     @staticmethod
@@ -92,12 +89,16 @@ class PatternAttention(torch.autograd.Function):
         keywords = dict(ctx.keywords, mask=to_array(mask), bias=to_array(bias), sinks=to_array(sinks))
         with on_stream(q.device):
             grads = api.attention_backward(to_array(dout.contiguous()), to_array(q), to_array(k), to_array(v),
-                                           to_array(out), to_array(lse), bias_grad=bias_grad, **keywords)
+                                           to_array(out), to_array(lse), bias_grad=bias_grad,
+                                           score_mod_grads=ctx.tables, **keywords)
         grads = [to_tensor(g, q.device) for g in grads]
         dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
         dbias = grads[3].to(bias.dtype) if bias_grad else None
-        dsinks = grads[-1].to(sinks.dtype).reshape(sinks.shape) if sinks is not None else None
-        return dq, dk, dv, None, dbias, dsinks, None, None
+        tables = ctx.tables
+        dtables = tuple(g.to(t.dtype) for g, t in zip(grads[len(grads) - len(tables):], tables))
+        dsinks = grads[len(grads) - len(tables) - 1].to(sinks.dtype).reshape(sinks.shape) if sinks is not None \
+            else None
+        return (dq, dk, dv, None, dbias, dsinks, None, None) + dtables
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -214,8 +214,9 @@ def score_trees():
         st.tuples(st.just("where"), bool_trees(0), with_score, float_trees(1)))
 
 
-def mod_functions(tree, kind, tables):
-    """(the function cuflash traces, the same function on torch tensors) for a (b, h, i, j) mod."""
+def mod_functions(tree, kind, tables, slopes_tensor=None):
+    """(the function cuflash traces, the same function on torch tensors) for a (b, h, i, j) mod; slopes_tensor:
+    the torch function's slopes (a tensor that requires grad, for their gradient)."""
     ids, slopes = tables["ids"], tables["slopes"]
 
     def traced(*args):
@@ -227,7 +228,8 @@ def mod_functions(tree, kind, tables):
         lib = Lib(torch) if kind == "score" else Lib(np)
         if kind == "score":
             env = {key: value if key == "score" else value for key, value in env.items()}
-            return render(tree, dict(env, ids=torch.as_tensor(ids), slopes=torch.as_tensor(slopes)), lib)
+            slopes_t = torch.as_tensor(slopes) if slopes_tensor is None else slopes_tensor
+            return render(tree, dict(env, ids=torch.as_tensor(ids), slopes=slopes_t), lib)
         return render(tree, dict(env, ids=ids, slopes=slopes), lib)
     return traced, dense
 
@@ -275,17 +277,20 @@ def test_drawn_mods_gradients_match_autograd(case):
     batch, n, m = case["batch"], case["n"], case["m"]
     q, k, v = operands(rng, batch, n, m, case["d"])
     tables = tables_for(rng, case)
-    score_mod = None if case["score"] is None else mod_functions(case["score"], "score", tables)
+    slopes = torch.tensor(tables["slopes"], requires_grad=True)
+    score_mod = None if case["score"] is None else mod_functions(case["score"], "score", tables, slopes)
     mask_mod = None if case["mask"] is None else mod_functions(case["mask"], "mask", tables)
     sinks = rng.standard_normal(batch[1:]) if case["sinks"] else None
     options = dict(score_mod=score_mod and score_mod[0], mask_mod=mask_mod and mask_mod[0], sinks=sinks,
                    causal=case["causal"])
     out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
     dout = rng.standard_normal(out.shape)
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    wanted = (tables["slopes"],) if score_mod is not None else ()  # the per-head slopes a drawn score may read
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, score_mod_grads=wanted, **options)
     tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v) + (() if sinks is None else (sinks,))]
+    tensors += [slopes] if wanted else []
     expected, _ = dense_reference(*tensors[:3], score_mod=score_mod and score_mod[1],
-                                  mask_mod=mask_mod and mask_mod[1], sinks=tensors[3] if sinks is not None else None,
+                                  mask_mod=mask_mod and mask_mod[1], sinks=None if sinks is None else tensors[3],
                                   causal=case["causal"], lib=torch)
     expected.backward(torch.as_tensor(dout))
     assert len(grads) == len(tensors)
@@ -380,6 +385,56 @@ def test_a_sink_of_minus_infinity_is_no_sink():
     sunk = cuflash.attention(q, k, v, return_lse=True, causal=True, sinks=np.array([-np.inf, -np.inf]))
     for a, b in zip(plain, sunk):
         np.testing.assert_array_equal(a, b)
+
+
+def relative_case(seed, batch=(2, 3), n=23, m=31):
+    """Inputs and a score_mod with learnable arrays: ALiBi slopes scaling a relative-position table read at two
+    places, and its dense formula on torch tensors."""
+    rng = np.random.default_rng(seed)
+    q, k, v = operands(rng, batch, n, m, 8)
+    slopes, table = rng.random(batch[-1]), rng.standard_normal((batch[-1], 9))
+
+    def score_mod(score, b, h, i, j):
+        return score - slopes[h] * np.abs(i - j) + slopes[h] * table[h, np.clip(j - i, -4, 4) + 4] + table[h, 0]
+
+    def formula(s, b, h, i, j, slopes, table):
+        return s - slopes[h] * (i - j).abs() + slopes[h] * table[h, (j - i).clamp(-4, 4) + 4] + table[h, 0]
+    return rng, (q, k, v), (slopes, table), score_mod, formula
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_reach_the_arrays_score_mod_closes_over(backend):
+    rng, (q, k, v), (slopes, table), score_mod, formula = relative_case(11)
+    out, lse = run(backend, q, k, v, score_mod=score_mod, causal=True)
+    dout = rng.standard_normal(out.shape)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, score_mod=score_mod, causal=True, backend=backend,
+                                       score_mod_grads=(table, slopes))
+    tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v, table, slopes)]
+    expected, _ = dense_reference(*tensors[:3], score_mod=lambda s, *idx: formula(s, *idx, tensors[4], tensors[3]),
+                                  causal=True, lib=torch)
+    expected.backward(torch.as_tensor(dout))
+    assert [g.shape for g in grads] == [tuple(t.shape) for t in tensors]
+    for grad, tensor in zip(grads, tensors):
+        assert_close(grad, tensor.grad.numpy(), np.float64, scale=100)
+    again = cuflash.attention_backward(dout, q, k, v, out, lse, score_mod=score_mod, causal=True, backend=backend,
+                                       score_mod_grads=(table, slopes))
+    assert all(np.array_equal(a, b) for a, b in zip(grads, again))  # deterministic: the same bits
+
+
+def test_score_mod_grads_that_cannot_be_given_are_clear_errors():
+    rng, (q, k, v), (slopes, table), score_mod, _ = relative_case(12)
+    out, lse = cuflash.attention(q, k, v, score_mod=score_mod, return_lse=True)
+    ids = np.arange(31)
+
+    def by_document(score, b, h, i, j):
+        return score + (ids[i] == ids[j])
+    cases = [(dict(score_mod=score_mod, score_mod_grads=(slopes.copy(),)), ValueError, "does not close over"),
+             (dict(score_mod=score_mod, score_mod_grads=slopes), TypeError, "must be a tuple"),
+             (dict(score_mod_grads=(slopes,)), ValueError, "no score_mod= was given"),
+             (dict(score_mod=by_document, score_mod_grads=(ids,)), TypeError, "has no gradient")]
+    for options, error, text in cases:
+        with pytest.raises(error, match=text):
+            cuflash.attention_backward(out, q, k, v, out, lse, **options)
 
 
 def test_sinks_broadcast_and_their_gradient_keeps_their_shape():

@@ -290,6 +290,15 @@ def test_flex_attention_style_mods_and_sinks_train():
     expected.square().sum().backward()
     for g, x in zip(got, (q, k, v, sinks)):
         torch.testing.assert_close(g, x.grad)
+    # A learnable table: its gradient through the mod, as autograd's of the dense formula.
     table.requires_grad_(True)
-    with pytest.raises(ValueError, match="closes over table, a tensor that requires grad"):
-        ct.attention(q, k, v, score_mod=relative)
+    for x in (q, k, v):
+        x.grad = None
+    ct.attention(q, k, v, score_mod=relative, causal=True).square().sum().backward()
+    got = [x.grad.clone() for x in (q, k, v, table)]
+    for x in (q, k, v, table):
+        x.grad = None
+    scores = torch.tanh((q @ k.transpose(-1, -2) / d ** 0.5 + table[:, i - j + n - 1]) / 5) * 5
+    (torch.softmax(scores.masked_fill(i < j, -float("inf")), -1) @ v).square().sum().backward()
+    for g, x in zip(got, (q, k, v, table)):
+        torch.testing.assert_close(g, x.grad)
