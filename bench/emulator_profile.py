@@ -3,7 +3,7 @@ picks, counted by the SIMT emulator's profile mode, per kernel and source line (
 
     python -m bench.emulator_profile [--dtype float16 ...] [--d 64 ...] [--n 128] [--m 128] [--causal]
                                      [--kind forward|backward|all] [--block mma|fma|BrxBc] [--lines 15]
-                                     [--json FILE] [--tiny]
+                                     [--json FILE] [--tiny] [--visits]
 
 Each problem runs through cuflash.attention (and cuflash.attention_backward for the backward kernels) on the
 simt backend in profile mode: the planner's launches, the project's kernels, on the CPU. Per warp-wide request
@@ -312,6 +312,51 @@ def run(dtypes, head_dims, n, m, causal, block, kind) -> List[dict]:
     return [r for dtype in dtypes for d in head_dims for r in run_problem(dtype, d, n, m, causal, block, kind)]
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# A block mask's tiles, visited
+
+
+VISITS_BLOCK = (64, 64)  # the kernel's tiles, and the block mask's
+
+
+def visit_line() -> int:
+    """The line of the tensor-core forward's per-visit barrier (begin_tile's __syncthreads): each warp of a block
+    passes it once per tile the block visits."""
+    path = os.path.join(os.path.dirname(cuflash.__file__), "kernels", "forward_mma.cuh")
+    lines = open(path).read().splitlines()
+    start = next(i for i, text in enumerate(lines) if "void begin_tile()" in text)
+    return next(i for i in range(start, len(lines)) if "__syncthreads();" in lines[i]) + 1
+
+
+def visits_check(n: int = 512, documents: int = 5, d: int = 32) -> dict:
+    """The float16 forward on 64 x 64 tiles through a block mask of packed causal documents (random lengths): the
+    tiles its blocks visit, counted by the emulator's profile (barrier passes of visit_line per warp), against the
+    tiles the block mask shows and those a causal mask alone would visit."""
+    from cuflash import mods
+    from cuflash.backends import simt as backend
+
+    rng = np.random.default_rng(1)
+    ids = np.sort(rng.integers(0, documents, n))
+    pattern = mods.and_masks(mods.documents(ids), mods.causal)
+    made = cuflash.block_mask(pattern, (1,), n, n, block=VISITS_BLOCK)
+    q, k, v, _ = inputs("float16", d, n, n)
+    config = tiling.BlockConfig(*VISITS_BLOCK, 4, 2, "mma")
+    with profile_mode():
+        for fn in backend._functions.values():
+            fn.profiles.clear()
+        cuflash.attention(q[None], k[None], v[None], block_mask=made, backend="simt", block=config)
+        [fn] = [fn for fn in backend._functions.values() if fn.profiles]
+        profile = sum(fn.profiles[1:], fn.profiles[0])
+    line = visit_line()
+    passes = sum(r.barriers for r in profile.lines() if r.file.endswith("forward_mma.cuh") and r.line == line)
+    tiles = -(-n // VISITS_BLOCK[0])
+    return {"n": n, "m": n, "documents": documents, "block": f"{VISITS_BLOCK[0]}x{VISITS_BLOCK[1]}",
+            "kernel": profile.kernel,
+            "tiles_shown": int(made.to_dense().sum()), "tiles_visited": passes // config.warps,
+            "causal_tiles": tiles * (tiles + 1) // 2, "all_tiles": tiles * tiles,
+            "counted_at": f"forward_mma.cuh:{line}"}
+
+
 def parse_block(text: str):
     from bench.sass_report import parse_block as parse
     return parse(text)
@@ -333,6 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                      "into DIR/profile.md and profile.json")
     parser.add_argument("--ncu-timeout", type=float, default=120.0, help="seconds per ncu run (default 120)")
     parser.add_argument("--on-gpu", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
+    parser.add_argument("--visits", action="store_true", help="the tiles a block mask's forward visits, counted, "
+                                                              "against the tiles it shows")
     args = parser.parse_args(argv)
     block = parse_block(args.block) if args.block else None
     from cuflash import simt
@@ -340,6 +387,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not simt.available() and not args.on_gpu:
         print(f"emulator_profile: {simt.unavailable_reason()}", file=sys.stderr)
         return 2
+    if args.visits:
+        result = visits_check(n=256 if args.tiny else 512)
+        print(f"Block mask of {result['documents']} packed causal documents, n = m = {result['n']}, tiles "
+              f"{result['block']}: {result['tiles_shown']} tiles shown, {result['tiles_visited']} visited by "
+              f"the kernel (emulator profile, {result['counted_at']}); causal alone: {result['causal_tiles']}, "
+              f"all: {result['all_tiles']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"schema": SCHEMA, "visits": result}, f, indent=1)
+        return 0 if result["tiles_visited"] == result["tiles_shown"] else 1
     if args.tiny:
         dtypes, dims, n, m, kind = ["float16"], [32], 64, 64, "forward"
     else:

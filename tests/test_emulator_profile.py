@@ -27,3 +27,12 @@ def test_tiny_run_profiles_the_planned_forward(tmp_path, capsys):
     assert all(line["file"].startswith("cuflash/kernels/") for line in lines), lines
     text = capsys.readouterr().out
     assert "fwd_mma<__half" in text and "bank conflicts:" in text
+
+
+def test_a_block_masks_forward_visits_exactly_the_tiles_it_shows():
+    """The profile counts the tensor-core forward's visits (its per-visit barrier): through a block mask of causal
+    packed documents they are the tiles the mask shows, fewer than causal alone would visit."""
+    from bench import emulator_profile
+
+    result = emulator_profile.visits_check(n=256)
+    assert result["tiles_visited"] == result["tiles_shown"] < result["causal_tiles"], result
