@@ -123,8 +123,8 @@ class ndarray:
     def _wrap(self, a):
         return ndarray(a, self._device_id)
 
-    def __getitem__(self, key):
-        return self._wrap(self._a[_unwrap(key)])
+    def __getitem__(self, key):  # an element is a 0-d array, as in CuPy
+        return self._wrap(np.asarray(self._a[_unwrap(key)]))
 
     def __setitem__(self, key, value):
         self._a[_unwrap(key)] = value._a if isinstance(value, ndarray) else value
@@ -168,6 +168,9 @@ class ndarray:
 
     def __bool__(self):  # CuPy reads a one-element array back (a synchronization)
         return bool(self._a)
+
+    def __int__(self):
+        return int(self._a)
 
     __array_ufunc__ = None  # NumPy scalars and arrays defer to CuPy's operators, as with CuPy's own ndarray
 
@@ -711,3 +714,29 @@ def test_backward_on_cupy_arrays_bit_for_bit(cupy, d, twin):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert got.get().tobytes() == want.tobytes()
     assert_grads_accurate([g.get() for g in grads], *arrays[:4], **options)
+
+
+def test_patterns_through_the_kernels_on_cupy_arrays(cupy):
+    """Mods closing over host arrays (read as device tables), device sinks and a block mask: the cupy backend runs
+    the same kernels as the simt backend, forward and backward, with the same bits; a read past a captured array
+    is its IndexError."""
+    from cuflash import mods
+    rng = np.random.default_rng(31)
+    q, k, v = (rng.standard_normal((2, 3, length, 16)).astype(np.float16) for length in (40, 56, 56))
+    ids, slopes = np.sort(rng.integers(0, 3, 56)), rng.random(3)
+    made = cuflash.block_mask(mods.documents(ids), (2, 3), 40, 56, block=(16, 16))
+    sinks = rng.standard_normal(3).astype(np.float32)
+    options = dict(score_mod=mods.alibi(slopes), block_mask=made, causal=True)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, backend="simt", sinks=sinks, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", sinks=sinks, **options)
+    device = [cupy.asarray(x) for x in (dout, q, k, v)]
+    before = len(_State.launches)
+    got, got_lse = cuflash.attention(*device[1:], return_lse=True, sinks=cupy.asarray(sinks), **options)
+    got_grads = cuflash.attention_backward(*device, got, got_lse, sinks=cupy.asarray(sinks), **options)
+    kernels = {name.split("<")[0] for name, *_ in _State.launches[before:]}
+    assert kernels == {"cuflash::fwd_mma", "cuflash::bwd_mma_dq", "cuflash::bwd_mma_dkdv"}
+    for a, b in zip((got, got_lse) + got_grads, (out, lse) + grads):
+        assert a.get().tobytes() == b.tobytes()
+    with pytest.raises(IndexError, match="out of bounds for table0"):
+        cuflash.attention(*device[1:], mask_mod=lambda b, h, i, j: ids[i + 20] < 2)
