@@ -240,3 +240,22 @@ def test_patterns_in_the_kernels_under_address_sanitizer():
     case_patterns): any out-of-bounds global or shared access aborts, a mod's read past its array included."""
     result = run_under_memcheck("patterns")
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_split_keys_visit_their_share_of_a_block_masks_tiles(dtype):
+    """Decoding (few queries, many keys): the key splits each walk the shown tiles of their share, and the sinks
+    join once (split 0), against the numpy backend's result through the same block mask."""
+    rng = np.random.default_rng(14)
+    q = rng.standard_normal((2, 3, 4, 32)).astype(dtype)
+    k, v = (rng.standard_normal((2, 1, 1500, 32)).astype(dtype) for _ in range(2))
+    ids = np.sort(rng.integers(0, 6, 1500))
+    made = cuflash.block_mask(lambda b, h, i, j: (ids[j] % 2 == 0) | (j > 1400), (1, 1), 4, 1500, block=(16, 64))
+    sinks = rng.standard_normal(3).astype(np.float32)
+    options = dict(block_mask=made, sinks=sinks, causal=True, return_lse=True)
+    out, lse = cuflash.attention(q, k, v, backend="simt", **options)
+    expected, expected_lse = cuflash.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                                               **options)
+    tolerance = 2e-3 if dtype == np.float16 else 1e-5
+    np.testing.assert_allclose(out, expected, atol=tolerance)
+    np.testing.assert_allclose(lse, expected_lse, atol=1e-5)
