@@ -169,22 +169,29 @@ def _lists(chosen):
 
 
 def block_mask(mask_mod=None, batch_shape=(), n: Optional[int] = None, m: Optional[int] = None, *, mask=None,
-               block: Optional[Tuple[int, int]] = None) -> BlockMask:
+               block: Optional[Tuple[int, int]] = None, device: Any = None) -> BlockMask:
     """The BlockMask of mask_mod(*idx, i, j) over (*batch_shape, n, m), or of a dense boolean mask= (broadcastable
     to (*batch, n, m); its own shape gives the batch, n and m when they are not given). block: (Br, Bc) tile
-    sizes, default (128, 128). Batch axes the pattern does not read are kept as size 1."""
+    sizes, default (128, 128). Batch axes the pattern does not read are kept as size 1. device: where mask_mod is
+    evaluated: None on the CPU with NumPy, or a CUDA device (its number or a cupy.cuda.Device) with CuPy, the
+    arrays it closes over read there (a CuPy mask= is read on its own device). Either way a row of tiles at a
+    time, never an (n, m) array; the tile kinds and lists are kept on the host (the kernels' copies go to each
+    device once)."""
     br, bc = _check_block(block)
     if (mask_mod is None) == (mask is None):
         raise ValueError("block_mask: give a mask_mod or mask=, not both and not neither")
     if mask is not None:
-        return _from_mask(np.asarray(mask) if not hasattr(mask, "__cuda_array_interface__") else mask, batch_shape,
-                          n, m, br, bc)
+        return _from_mask(mask if _module_of(mask) is not np else np.asarray(mask), batch_shape, n, m, br, bc)
     if n is None or m is None:
         raise TypeError("block_mask: give n and m (the query and key lengths) with a mask_mod")
     batch = _check_batch(batch_shape)
     n, m = _check_length(n, "n"), _check_length(m, "m")
     traced = mods.trace(mask_mod, "mask", len(batch))
-    return _from_mod(traced, batch, n, m, br, bc, mask_mod)
+    if device is None:
+        return _from_mod(traced, batch, n, m, br, bc, mask_mod)
+    import cupy
+    with cupy.cuda.Device(device):
+        return _from_mod(traced, batch, n, m, br, bc, mask_mod, cupy)
 
 
 def _check_block(block):
@@ -212,34 +219,46 @@ def _check_length(x, name):
     return int(x)
 
 
-def _from_mod(traced, batch, n, m, br, bc, function):
+def _from_mod(traced, batch, n, m, br, bc, function, xp=np):
+    """The tile kinds of a traced mask_mod, evaluated with xp (NumPy, or CuPy on the current device)."""
     own = tuple(size if axis in traced.batch_axes else 1 for axis, size in enumerate(batch))
-    xp = np
     tables = mods.prepared_tables(traced, xp, np.dtype(np.float64))
     rows, cols = -(-n // br), -(-m // bc)
-    kinds = np.zeros(own + (rows, cols), dtype=np.int8)
+    kinds = xp.zeros(own + (rows, cols), dtype=np.int8)
     chunk = max(bc, EVALUATED_ELEMENTS // max(1, br) // bc * bc)
     for entry in np.ndindex(*own):
-        batch_index = [np.asarray(x, dtype=np.int64) for x in entry]
+        batch_index = [xp.asarray(x, dtype=np.int64) for x in entry]
         for t in range(rows):
             i0, i1 = t * br, min(n, (t + 1) * br)
-            i = np.arange(i0, i1, dtype=np.int64)[:, None]
+            i = xp.arange(i0, i1, dtype=np.int64)[:, None]
             for j0 in range(0, m, chunk):
                 j1 = min(m, j0 + chunk)
-                j = np.arange(j0, j1, dtype=np.int64)[None, :]
-                shown = np.broadcast_to(mods.evaluate(traced.expr, batch_index + [i, j], tables, np.float64,
+                j = xp.arange(j0, j1, dtype=np.int64)[None, :]
+                shown = xp.broadcast_to(mods.evaluate(traced.expr, batch_index + [i, j], tables, np.float64, xp=xp,
                                                       what="mask_mod"), (i1 - i0, j1 - j0))
-                kinds[entry + (t, slice(j0 // bc, -(-j1 // bc)))] = _kinds_of(shown, bc)
-    return BlockMask(kinds, own + (n, m), (br, bc), mask_mod=traced, function=function)
+                kinds[entry + (t, slice(j0 // bc, -(-j1 // bc)))] = _kinds_of(shown, bc, xp)
+    return BlockMask(_on_host(kinds, xp), own + (n, m), (br, bc), mask_mod=traced, function=function)
 
 
-def _kinds_of(shown, bc):
+def _module_of(array):
+    """CuPy for a CuPy array, NumPy for anything else."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def _on_host(kinds, xp):
+    return kinds if xp is np else xp.asnumpy(kinds)
+
+
+def _kinds_of(shown, bc, xp=np):
     """The kind of each tile of Bc columns of one row of tiles (the last may be narrower)."""
     rows, width = shown.shape
     pad = (-width) % bc
-    any_ = np.pad(shown, ((0, 0), (0, pad)), constant_values=False).reshape(rows, -1, bc).any(axis=(0, 2))
-    all_ = np.pad(shown, ((0, 0), (0, pad)), constant_values=True).reshape(rows, -1, bc).all(axis=(0, 2))
-    return np.where(all_, FULL, np.where(any_, PARTIAL, HIDDEN)).astype(np.int8)
+    any_ = xp.pad(shown, ((0, 0), (0, pad)), constant_values=False).reshape(rows, -1, bc).any(axis=(0, 2))
+    all_ = xp.pad(shown, ((0, 0), (0, pad)), constant_values=True).reshape(rows, -1, bc).all(axis=(0, 2))
+    return xp.where(all_, FULL, xp.where(any_, PARTIAL, HIDDEN)).astype(np.int8)
 
 
 def _from_mask(mask, batch_shape, n, m, br, bc):
@@ -259,13 +278,14 @@ def _from_mask(mask, batch_shape, n, m, br, bc):
         except ValueError:
             raise ValueError(f"block_mask: mask of shape {tuple(mask.shape)} does not broadcast to the batch shape "
                              f"{batch}") from None
+    xp = _module_of(mask)
     rows, cols = -(-n // br), -(-m // bc)
-    kinds = np.zeros(own + (rows, cols), dtype=np.int8)
-    full = np.broadcast_to(mask, own + (n, m))
+    kinds = xp.zeros(own + (rows, cols), dtype=np.int8)
+    full = xp.broadcast_to(mask, own + (n, m))
     for entry in np.ndindex(*own):
         for t in range(rows):
-            kinds[entry + (t,)] = _kinds_of(np.asarray(full[entry][t * br:(t + 1) * br]), bc)
-    return BlockMask(kinds, own + (n, m), (br, bc), mask=mask)
+            kinds[entry + (t,)] = _kinds_of(full[entry][t * br:(t + 1) * br], bc, xp)
+    return BlockMask(_on_host(kinds, xp), own + (n, m), (br, bc), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -126,3 +126,40 @@ def test_backward_on_cupy_arrays(case):
     second = cuflash.attention_backward(dout, q, k, v, out, lse, **device_options)
     assert all(a.get().tobytes() == b.get().tobytes() for a, b in zip(first, second))
     assert_grads_accurate([g.get() for g in first], dout.get(), case.q, case.k, case.v, **options)
+
+
+def test_patterns_on_cupy_arrays():
+    """Mods over device arrays, sinks and a block mask built on the GPU: the kernels' forward and backward against
+    the numpy backend, the GPU-built block mask equal to the host-built one, and the gradients of a captured
+    device table through the blocked backward."""
+    import cupy
+    from cuflash import mods
+    rng = np.random.default_rng(41)
+    q, k, v = (rng.standard_normal((2, 4, length, 64)).astype(np.float16) for length in (300, 420, 420))
+    ids, slopes = np.sort(rng.integers(0, 5, 420)), rng.random(4)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    host = cuflash.block_mask(mods.documents(ids), (2, 4), 300, 420, block=(64, 64))
+    on_gpu = cuflash.block_mask(mods.documents(cupy.asarray(ids)), (2, 4), 300, 420, block=(64, 64), device=0)
+    assert np.array_equal(on_gpu.kinds, host.kinds)
+    from_mask = cuflash.block_mask(mask=cupy.asarray(ids[:300, None] == ids[None, :]), block=(64, 64))
+    assert np.array_equal(from_mask.kinds[0], host.kinds[0, 0])
+    options = dict(score_mod=mods.alibi(cupy.asarray(slopes)), block_mask=on_gpu, causal=True,
+                   sinks=cupy.asarray(sinks))
+    host_options = dict(options, score_mod=mods.alibi(slopes), block_mask=host, sinks=sinks)
+    device = [cupy.asarray(x) for x in (q, k, v)]
+    out, lse = cuflash.attention(*device, return_lse=True, **options)
+    expected, expected_lse = cuflash.attention(q, k, v, return_lse=True, **host_options)
+    np.testing.assert_allclose(out.get().astype(np.float64), expected.astype(np.float64), atol=2e-3)
+    np.testing.assert_allclose(lse.get(), expected_lse, atol=1e-4)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    grads = cuflash.attention_backward(cupy.asarray(dout), *device, out, lse, **options)
+    expected_grads = cuflash.attention_backward(dout, q, k, v, expected, expected_lse, **host_options)
+    for got, want in zip(grads, expected_grads):
+        np.testing.assert_allclose(got.get().astype(np.float64), want.astype(np.float64), atol=3e-2, rtol=3e-2)
+    device_slopes = cupy.asarray(slopes)
+    options["score_mod"] = mods.alibi(device_slopes)
+    dslopes = cuflash.attention_backward(cupy.asarray(dout), *device, out, lse, score_mod_grads=(device_slopes,),
+                                         **options)[-1]
+    want = cuflash.attention_backward(dout, q, k, v, expected, expected_lse, score_mod_grads=(slopes,),
+                                      **dict(host_options, score_mod=mods.alibi(slopes)))[-1]
+    np.testing.assert_allclose(dslopes.get(), want, rtol=2e-2, atol=1e-2)
