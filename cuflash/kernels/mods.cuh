@@ -193,7 +193,7 @@ __device__ __forceinline__ R read(const Args& args, int t, const long long (&ind
         offset += index[axis] * table.stride[axis];
     }
     if (!inside) {
-        *args.error = t + 1;
+        atomicExch(args.error, t + 1);  // an atomic store: many threads may flag at once
         return R(0);
     }
     return element<R>(static_cast<const T*>(table.data)[offset]);

@@ -152,6 +152,35 @@ def case_clean_backward():
             assert_grads_accurate(grads, dout, q, k, v, bias=bias, causal=True)
 
 
+def case_clean_patterns():
+    """The kernels with mods compiled in (score_mod and mask_mod over captured arrays, sinks) and with a block
+    mask's visits, forward and backward, CUDA cores and tensor cores; and a mod whose reads past its array many
+    threads flag at once."""
+    import cuflash
+    from cuflash import BlockConfig, mods
+    from reference import assert_accurate
+    rng = np.random.default_rng(2)
+    ids = np.sort(rng.integers(0, 3, 50))
+    pattern = mods.documents(ids)
+    made = cuflash.block_mask(pattern, (2,), 37, 50, block=(16, 16))
+    for dtype, block in ((np.float32, BlockConfig(16, 16, 2, stages=2)), (np.float16, BlockConfig.mma(16, 16, 1))):
+        q, k, v = (rng.standard_normal((2, n, 24)).astype(dtype) for n in (37, 50, 50))
+        for options in (dict(score_mod=mods.softcap(2.0), mask_mod=pattern, sinks=np.zeros(2, np.float32)),
+                        dict(block_mask=made)):
+            out, lse = cuflash.attention(q, k, v, causal=True, backend="simt", block=block, return_lse=True,
+                                         **options)
+            if "block_mask" in options:
+                assert_accurate(out, q, k, v, lse=lse, causal=True, mask=ids[:37, None] == ids[None, :])
+            dout = rng.standard_normal(out.shape).astype(dtype)
+            cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend="simt", block=block, **options)
+    try:
+        cuflash.attention(q, k, v, mask_mod=lambda b, i, j: ids[i + j] < 2, backend="simt", block=block)
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("reads past a captured array were not flagged")
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
