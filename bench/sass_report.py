@@ -37,7 +37,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from cuflash import DeviceLimits, bfloat16, kernels, nvrtc, tiling
+from cuflash import DeviceLimits, bfloat16, nvrtc, tiling
+from cuflash import mods as cuflash_mods
 from cuflash.family import Shape
 
 SCHEMA = "cuflash-sass-report/1"
@@ -652,12 +653,11 @@ def nvrtc_available() -> bool:
     return True
 
 
-def compile_sass(source: str, names: Sequence[str], arch: str) -> Dict[str, dict]:
+def compile_sass(text: str, names: Sequence[str], arch: str) -> Dict[str, dict]:
     """{name expression: {"sass": cuobjdump's text for that function, "usage": ptxas's figures}} of kernels of
-    cuflash/kernels/`source` compiled for arch; cached in the temporary directory under a hash of the source,
-    the names, the architecture and the flags."""
+    the source string `text` (Plan.code: a kernel file and its mods) compiled for arch; cached in the temporary
+    directory under a hash of the source, the names, the architecture and the flags."""
     names = sorted(set(names))
-    text = kernels.source(source)
     key = hashlib.sha256("\n".join([SCHEMA, text, arch, *names, *CUPY_FLAGS]).encode()).hexdigest()[:24]
     cache = os.path.join(tempfile.gettempdir(), f"cuflash-sass-{key}.json")
     if os.path.exists(cache):
@@ -688,14 +688,34 @@ def _compile(job):
 DTYPES = {"float16": np.float16, "bfloat16": bfloat16, "float32": np.float32, "float64": np.float64}
 
 
+# Mods a kernel can be compiled with (--mods): built-ins over (B, H) batches, their tables as a model has them.
+MODS = {
+    "softcap": lambda: (cuflash_mods.softcap(30.0), None),
+    "alibi": lambda: (cuflash_mods.alibi(cuflash_mods.alibi_slopes(16)), None),
+    "documents": lambda: (None, cuflash_mods.documents(np.zeros((1, 16384), np.int64))),
+}
+
+
+def kernel_mods_of(name: Optional[str]):
+    """The CUDA of the named built-in mods (MODS) for two batch axes, or None."""
+    if name is None:
+        return None
+    from cuflash.kernels import mods as kernel_mods
+    score, mask = MODS[name]()
+    return kernel_mods.kernel_mods(score and cuflash_mods.trace(score, "score", 2),
+                                   mask and cuflash_mods.trace(mask, "mask", 2), 2)
+
+
 def plans(gpu: str, dtype: str, d: int, n: int, m: int, batch: int, block, kernels_wanted: str,
-          precision: str = "highest"):
-    """[(kind, plan, or the sentence saying why there is none)] of what the planner picks for the problem."""
+          precision: str = "highest", mods: Optional[str] = None):
+    """[(kind, plan, or the sentence saying why there is none)] of what the planner picks for the problem (with
+    the named mods compiled in: MODS)."""
     device, shape = DeviceLimits.known(gpu), Shape(DTYPES[dtype], d, d, n, m, batch, precision)
+    code = kernel_mods_of(mods)
     result = []
     if kernels_wanted in ("all", "forward"):
         try:
-            result.append(("forward", tiling.plan(shape, device, block)))
+            result.append(("forward", tiling.plan(shape, device, block).with_mods(code)))
         except ValueError as exc:
             result.append(("forward", str(exc)))
     if kernels_wanted in ("all", "backward"):
@@ -705,7 +725,8 @@ def plans(gpu: str, dtype: str, d: int, n: int, m: int, batch: int, block, kerne
             backward = str(exc)
         if backward is None:
             backward = "no backward kernel serves this shape here: the blocked backward runs"
-        result += [("backward", backward)] if isinstance(backward, str) else [(p.family.kind, p) for p in backward]
+        result += [("backward", backward)] if isinstance(backward, str) else \
+            [(p.family.kind, p.with_mods(code)) for p in backward]
     return result
 
 
@@ -749,6 +770,7 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
         "precision": plan.shape.precision,
         "d": plan.shape.d, "e": plan.shape.e, "n": plan.shape.n, "m": plan.shape.m, "causal": causal,
         "kind": plan.family.kind, "kernel": plan.name, "config": str(plan.config), "warps": plan.config.warps,
+        "mods": None if plan.mods is None else plan.mods.key,
         "usage": compiled["usage"], "loop": {"first": f"{loop.first:#x}", "last": f"{loop.last:#x}"},
         "per_tile": {"instructions": total, **path}, "span": {"instructions": sum(span.values()), **span},
         "opcodes": {op: n for (_, op), n in sorted(loop.path.items())},
@@ -760,33 +782,37 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
         "ldmatrix_per_mma": ratio(ldsm, path["tensor"]), "shared_loads_per_fma": ratio(lds, path["fma"]),
         "flops_per_tile": useful_flops(plan), "partial_tiles": partial_fraction(plan, causal),
     }
-    if gpu in RATES and not loop.notes:  # with a trip count unknown, a bound would mean nothing
+    if plan.mods is not None:  # every tile takes the per-element path, whose cheapest way may skip the mods
+        row["notes"] = row["notes"] + ["compiled with mods: no plain tiles, so the per-tile figures are the "
+                                       "cheapest path through the per-element code (it may skip the mods' own "
+                                       "code) and no bound is given; registers, spills and span hold"]
+    elif gpu in RATES and not loop.notes:  # with a trip count unknown, a bound would mean nothing
         row.update(bound(loop.path, plan, RATES[gpu], device.sm_count))
     return row
 
 
 def run(gpus, dtypes, head_dims, n, m, causal=False, block=None, kernels_wanted="all", batch=1, workers=2,
-        precisions=("highest",)):
+        precisions=("highest",), mods=None):
     """(rows, {(gpu, name expression): SASS}) for every kernel the planner picks, one NVRTC program per source
-    file and architecture, compiled in parallel. precisions: those of float32 to plan for (the other dtypes take
-    the first)."""
+    string and architecture, compiled in parallel. precisions: those of float32 to plan for (the other dtypes take
+    the first). mods: the built-in mods (MODS) the kernels are compiled with, or None."""
     picked = [(gpu, dtype, d, kind, plan) for gpu in gpus for dtype in dtypes for d in head_dims
               for precision in (precisions if dtype == "float32" else precisions[:1])
-              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted, precision)]
+              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted, precision, mods)]
     jobs = {}
     for gpu, _, _, _, plan in picked:
         if not isinstance(plan, str):
-            jobs.setdefault((plan.source, DeviceLimits.known(gpu).arch), set()).add(plan.name)
+            jobs.setdefault((plan.code, DeviceLimits.known(gpu).arch), set()).add(plan.name)
     keys = sorted(jobs)
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(keys)))) as pool:
-        built = dict(zip(keys, pool.map(_compile, [(source, sorted(jobs[(source, arch)]), arch)
-                                                   for source, arch in keys])))
+        built = dict(zip(keys, pool.map(_compile, [(code, sorted(jobs[(code, arch)]), arch)
+                                                   for code, arch in keys])))
     rows, sass = [], {}
     for gpu, dtype, d, kind, plan in picked:
         if isinstance(plan, str):
             rows.append({"gpu": gpu, "dtype": dtype, "d": d, "kind": kind, "skipped": plan})
             continue
-        compiled = built[(plan.source, DeviceLimits.known(gpu).arch)][plan.name]
+        compiled = built[(plan.code, DeviceLimits.known(gpu).arch)][plan.name]
         rows.append(report_row(gpu, plan, compiled, causal))
         sass[(gpu, plan.name)] = compiled["sass"]
     return rows, sass
@@ -895,6 +921,8 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", action="append", choices=("highest", "tf32", "fma"),
                         help="float32's precision= (default highest); several give a row each")
     parser.add_argument("--tiny", action="store_true", help="CI mode: the float16 forward at d = 64 on an H100")
+    parser.add_argument("--mods", choices=sorted(MODS), help="compile the kernels with a built-in mod: their hot "
+                                                             "loop then has no plain tiles (every tile is partial)")
     args = parser.parse_args(argv)
     if cuobjdump() is None or not nvrtc_available():
         print("sass_report: needs NVRTC, cuobjdump and nvdisasm: pip install nvidia-cuda-nvrtc-cu12 "
@@ -906,7 +934,7 @@ def main(argv=None) -> int:
         gpus, dtypes = args.gpu or ["H100", "A100"], args.dtype or ["float16", "bfloat16", "float32"]
         dims, wanted = args.d or [64, 128], args.kernels
     rows, sass = run(gpus, dtypes, dims, args.n, args.m, args.causal, args.block, wanted, args.batch,
-                     precisions=tuple(args.precision or ["highest"]))
+                     precisions=tuple(args.precision or ["highest"]), mods=args.mods)
     print(HEADER)
     print(f"n = {args.n}, m = {args.m}, batch x heads = {args.batch}{', causal' if args.causal else ''}\n")
     print(table(rows))

@@ -144,6 +144,17 @@ def test_tiny_run_prints_writes_json_and_sass(tiny):
 
 
 @needs_tools
+def test_a_kernel_compiled_with_mods_is_reported_without_a_bound():
+    """--mods: the forward compiled with a soft-cap score_mod (no steady loop, every tile per element): it has
+    its registers, no local memory and a note instead of a bound, and fewer registers than 255."""
+    rows, _ = sass_report.run(["H100"], ["float16"], [64], 16384, 16384, kernels_wanted="forward", mods="softcap")
+    [row] = rows
+    assert row["mods"].startswith("batch axes 2; score_mod(multiply(") and "tanh" in row["mods"] and "bound" not in row
+    assert row["usage"]["spill_stores"] == 0 and row["span"]["local"] == 0 and row["usage"]["registers"] < 255
+    assert any("compiled with mods" in note for note in row["notes"])
+
+
+@needs_tools
 def test_tensor_core_forward_counts(tiny):
     """The float16 forward at d = 64 on an H100: every product on tensor cores, each tile's K/V prefetch
     (16-byte chunks unrolled in the steady loop, which holds no inner loop), no local memory, and issue 12's
