@@ -9,6 +9,7 @@ n * m is. Broadcast operands stay stride-0 views: tiles are sliced from them, ne
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -36,12 +37,39 @@ class Patterns:
 
 
 def run(problem, out, lse, block=None):
+    if packed_sequences(problem):
+        for sub, (out_s, lse_s) in sequences(problem, ((out, "q"), (lse, "q"))):
+            run(sub, out_s, lse_s, block)
+        return
     patterns = Patterns(problem)
     for index, i0, i1, key_tiles in steps(problem, block):
         o, row_lse = attend_rows(problem, patterns, index, i0, i1, key_tiles)
         out[index + (slice(i0, i1),)] = o.astype(problem.dtype, copy=False)
         if lse is not None:
             lse[index + (slice(i0, i1),)] = row_lse
+
+
+def packed_sequences(problem) -> bool:
+    return problem.packed is not None and problem.packed.cu_seqlens_q is not None
+
+
+def sequences(problem, arrays):
+    """Packed sequences one at a time: (the problem of sequence s alone, its rows of `arrays`, (batched view,
+    "q" or "k") pairs) for every sequence with queries."""
+    packed = problem.packed
+    offsets_q, offsets_k = packed.offsets()
+    for s in range(len(offsets_q) - 1):
+        rows = {"q": offsets_q[s:s + 2], "k": offsets_k[s:s + 2]}
+        if rows["q"][0] == rows["q"][1]:
+            continue
+
+        def view(x, side):
+            return packed.sequence(x, side, *rows[side])
+        sub = dataclasses.replace(
+            problem, q=view(problem.q, "q"), k=view(problem.k, "k"), v=view(problem.v, "k"),
+            batch=(1,) + problem.batch[1:], n=rows["q"][1] - rows["q"][0], m=rows["k"][1] - rows["k"][0],
+            sinks=None if problem.sinks is None else problem.sinks[s:s + 1], packed=packed.one(s))
+        yield sub, [view(x, side) for x, side in arrays]
 
 
 def steps(problem, block, temps=TEMPS_PER_SCORE):
@@ -178,14 +206,15 @@ def index_grids(problem, index, i0, i1, j0, j1):
     xp = problem.xp
     kept = sum(isinstance(x, slice) for x in index)
     grids, axis = [], 0
+    first = 0 if problem.packed is None else problem.packed.first  # a packed sequence's number
     for x, size in zip(index, problem.batch):
         if isinstance(x, slice):
             shape = [1] * (kept + 2)
             shape[axis] = -1
-            grids.append(xp.arange(size, dtype=np.int64)[x].reshape(shape))
+            grids.append(xp.arange(size, dtype=np.int64)[x].reshape(shape) + (first if not grids else 0))
             axis += 1
         else:
-            grids.append(xp.asarray(x, dtype=np.int64))
+            grids.append(xp.asarray(x + (first if not grids else 0), dtype=np.int64))
     return grids + [xp.arange(i0, i1, dtype=np.int64)[:, None], xp.arange(j0, j1, dtype=np.int64)[None, :]]
 
 
@@ -293,6 +322,11 @@ def run_backward(problem, dout, out, lse, grads, block=None):
     dbias_ij = dS_ij. Hidden pairs contribute nothing, by selection. Written in the arrays' module (problem.xp),
     so the cupy backend runs the same blocked code on CuPy's matmul. Any further grads are those of score_mod's
     tables problem.score_mod_grads names (table_gradients)."""
+    if packed_sequences(problem):
+        views = ((dout, "q"), (out, "q"), (lse, "q"), (grads[0], "q"), (grads[1], "k"), (grads[2], "k"))
+        for sub, (dout_s, out_s, lse_s, *grads_s) in sequences(problem, views):
+            run_backward(sub, dout_s, out_s, lse_s, tuple(grads_s) + (None,), block)
+        return
     dq, dk, dv, dbias = grads[:4]
     dtables = dict(zip(problem.score_mod_grads, grads[4:]))
     xp, acc = problem.xp, problem.acc_dtype

@@ -61,6 +61,7 @@ class Shape:
     m: Optional[int] = None
     batch_size: int = 1
     precision: str = "highest"
+    packed: bool = False  # packed sequences (n and m the longest's): no key splits
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))

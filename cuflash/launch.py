@@ -35,17 +35,20 @@ GEOMETRY = np.dtype([
 MAX_GRID_Y = 65535
 RESIDENT_LIMIT = 256  # device copies of geometry tables kept per process
 SIZES = ("n", "m", "d", "e", "left", "right")
+PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k")  # packed sequences' offsets (problem.Packed), null without
 
 
 def params_dtype(acc) -> np.dtype:
     """The C struct Params of kernels/tile.cuh, field for field, for accumulator type acc (float32 or float64):
     every kernel's one parameter, passed by value. A pointer per operand (OPERANDS; 0 where absent), the geometry
-    table's, the sizes and the window's reach, scale log2(e) and scale in acc, the launch flags and the mods' Args
-    (kernels/mods.py)."""
+    table's, the packed sequences' offsets and batch items per sequence (0 without), the sizes and the window's
+    reach, scale log2(e) and scale in acc, the launch flags and the mods' Args (kernels/mods.py)."""
     acc = np.dtype(acc)
-    return np.dtype([(name, np.uint64) for name in OPERANDS + ("geometry",)] +
-                    [(name, np.int64) for name in SIZES] + [("scale_log2", acc), ("scale", acc), ("flags", np.int32),
-                                                            ("mods", kernel_mods.ARGS)], align=True)
+    pointers = OPERANDS + ("geometry",) + PACKED_OFFSETS
+    return np.dtype([(name, np.uint64) for name in pointers] +
+                    [(name, np.int64) for name in ("sequence_items",) + SIZES] +
+                    [("scale_log2", acc), ("scale", acc), ("flags", np.int32), ("mods", kernel_mods.ARGS)],
+                    align=True)
 
 
 PARAMS = {np.dtype(acc).name: params_dtype(acc) for acc in (np.float32, np.float64)}
@@ -168,13 +171,15 @@ def row_terms(problem, dout, out, lse):
     shift = lse log2 e, the lse in the log2 domain of P = exp2(s log2 e - shift), and 0 where lse is -inf: that row
     saw no key, and its P = exp2(-inf - 0) = 0, never NaN. D_i = rowsum(dO_i * O_i), FlashAttention-2's
     preprocessing."""
-    xp, acc = problem.xp, problem.acc_dtype
+    xp, acc, packed = problem.xp, problem.acc_dtype, problem.packed
+    if problem.shape.packed:  # per row of the packed arrays, read at the sequences' rows
+        dout, out, lse = (packed.whole(x, "q") for x in (dout, out, lse))
     terms = xp.empty(tuple(lse.shape) + (2,), dtype=acc)
     with np.errstate(invalid="ignore", over="ignore"):
         shift = lse.astype(acc) * acc.type(LOG2E)
         terms[..., 0] = xp.where(lse == -np.inf, acc.type(0), shift)
         terms[..., 1] = problem.delta(dout, out)
-    return terms
+    return packed.batched(terms, problem.batch[0], problem.n) if problem.shape.packed else terms
 
 
 def backward_operands(problem, dout, terms, grads) -> dict:
@@ -272,6 +277,10 @@ def kernel_params(problem, operands, table, e, flags, patterns=None) -> np.ndarr
         params[name] = value
     params["scale_log2"], params["scale"] = problem.scale * LOG2E, problem.scale
     params["flags"] = flags
+    if problem.shape.packed:
+        for name in PACKED_OFFSETS:
+            params[name] = address(getattr(problem.packed, name))
+        params["sequence_items"] = problem.batch_size // problem.batch[0]
     if patterns is not None:
         patterns.write(params["mods"], problem.batch)
     return params
@@ -284,8 +293,15 @@ def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_stride
     grid_y = max(1, min(batch_count, MAX_GRID_Y))
     grid = (plan.grid_x, grid_y, -(-batch_count // grid_y))
     arrays = tuple(x for x in operands.values() if x is not None) + (table,) + \
-        (() if patterns is None else patterns.arrays)
+        (() if patterns is None else patterns.arrays) + packed_offsets(problem)
     return Launch(plan.name, grid, plan.block, plan.shared_mem, (params,), arrays)
+
+
+def packed_offsets(problem) -> tuple:
+    """The arrays of a packed problem's offsets, which its kernels read (none without)."""
+    if not problem.shape.packed:
+        return ()
+    return tuple(getattr(problem.packed, name) for name in PACKED_OFFSETS)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -538,16 +538,22 @@ class Traced:
         return nodes(derivative(self.expr) if slope else self.expr)
 
 
-def trace(fn, kind: str, nbatch: int, name: Optional[str] = None) -> Traced:
-    """The expression of score_mod (kind "score") or mask_mod ("mask") for nbatch batch axes."""
+def trace(fn, kind: str, nbatch: int, name: Optional[str] = None, groups: Optional[int] = None) -> Traced:
+    """The expression of score_mod (kind "score") or mask_mod ("mask") for nbatch batch axes. groups: packed
+    sequences' (attention_varlen), whose batch axes are (s, hk, g) and whose mods see (s, h, i, j), the query head
+    h = hk * groups + g."""
     name = name or f"{kind}_mod"
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-    count = nbatch + 2 + (kind == "score")
-    check_arity(fn, count, nbatch, kind, name)
+    seen = nbatch if groups is None else nbatch - 1  # the batch indices fn takes
+    count = seen + 2 + (kind == "score")
+    check_arity(fn, count, seen, kind, name, None if groups is None else ("s", "h"))
     capture = _Capture()
     target = capture.rebind(fn) if isinstance(fn, types.FunctionType) else fn
     args = [Expr("index", (), "int", axis) for axis in range(nbatch + 2)]
+    if groups is not None:
+        s, hk, g = args[:3]
+        args = [s, hk if groups == 1 else hk * groups + g] + args[3:]
     if kind == "score":
         args = [Expr("score", (), "float")] + args
     try:
@@ -579,7 +585,7 @@ def cuda_source(score_mod=None, mask_mod=None, *, nbatch: int = 2, sinks: bool =
     return kernel_mods.kernel_mods(score, mask, nbatch, sinks).source
 
 
-def check_arity(fn, count: int, nbatch: int, kind: str, name: str) -> None:
+def check_arity(fn, count: int, nbatch: int, kind: str, name: str, batch_names=None) -> None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -587,10 +593,12 @@ def check_arity(fn, count: int, nbatch: int, kind: str, name: str) -> None:
     try:
         signature.bind(*range(count))
     except TypeError:
-        shown = ", ".join(([] if kind == "mask" else ["score"]) + [f"b{a}" for a in range(nbatch)] + ["i", "j"])
-        raise TypeError(f"{name} must take {count} arguments ({shown}): one index per axis of the broadcast batch "
-                        f"shape ({nbatch} here), then the query row and the key; {fn.__name__}{signature} does "
-                        f"not") from None
+        names = list(batch_names or (f"b{a}" for a in range(nbatch)))
+        shown = ", ".join(([] if kind == "mask" else ["score"]) + names + ["i", "j"])
+        what = "the sequence and the query head" if batch_names else \
+            f"one index per axis of the broadcast batch shape ({nbatch} here)"
+        raise TypeError(f"{name} must take {count} arguments ({shown}): {what}, then the query row and the key; "
+                        f"{fn.__name__}{signature} does not") from None
 
 
 def _index_axes(expr: Expr, seen=None) -> set:

@@ -67,6 +67,55 @@ class Window:
         j = xp.arange(j0, j1)[None, :]
         return (j >= i - left) & (j <= i + right)
 
+@dataclass(frozen=True)
+class Packed:
+    """Packed sequences (attention_varlen): sequence s is query rows cu_seqlens_q[s]:cu_seqlens_q[s + 1] of the
+    packed operands against key rows cu_seqlens_k[s]:cu_seqlens_k[s + 1]. The Problem's batch is then
+    (sequences, Hk, G), its n and m the longest sequence's, and each operand a batched view of its packed array
+    (batched): stride 0 on the sequence axis, so every sequence's view starts at the packed array's first row and a
+    kernel adds its sequence's first row (Params::cu_seqlens_*). total_q, total_k: the packed arrays' rows.
+    cu_seqlens_*: int64 arrays of the problem's module, or None in a problem of one sequence that the blocked
+    algorithm cut out (sequence), whose mods see sequence number `first`."""
+
+    cu_seqlens_q: Any
+    cu_seqlens_k: Any
+    total_q: int
+    total_k: int
+    first: int = 0
+
+    def offsets(self) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+        """The offsets on the host (a read back from a GPU)."""
+        def host(x) -> Tuple[int, ...]:
+            return tuple(int(v) for v in (x if isinstance(x, np.ndarray) else x.get()))
+        return host(self.cu_seqlens_q), host(self.cu_seqlens_k)
+
+    @staticmethod
+    def batched(whole, sequences: int, rows: int):
+        """(Hk, G, total, *cols) -> the Problem's (sequences, Hk, G, rows, *cols) view, stride 0 on the sequence
+        axis (writeable: out, lse and the gradients are such views too)."""
+        shape = (sequences,) + tuple(whole.shape[:2]) + (rows,) + tuple(whole.shape[3:])
+        return as_strided(whole, shape, (0,) + tuple(whole.strides))
+
+    def whole(self, x, side: str):
+        """A batched view (sequences, Hk, G, rows, *cols) back to its packed array's (Hk, G, total, *cols)."""
+        total = self.total_q if side == "q" else self.total_k
+        return as_strided(x[0], tuple(x.shape[1:3]) + (total,) + tuple(x.shape[4:]), x.strides[1:])
+
+    def sequence(self, x, side: str, begin: int, end: int):
+        """Rows [begin, end) of a batched view, as a view of one sequence (1, Hk, G, end - begin, *cols)."""
+        return None if x is None else self.whole(x, side)[None, :, :, begin:end]
+
+    def one(self, s: int) -> "Packed":
+        return Packed(None, None, 0, 0, self.first + s)
+
+
+def as_strided(x, shape, strides):
+    """A view of x's memory (NumPy's or CuPy's as_strided)."""
+    if isinstance(x, np.ndarray):
+        return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=x.flags.writeable)
+    import cupy
+    return cupy.lib.stride_tricks.as_strided(x, shape, strides)
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -88,6 +137,7 @@ class Problem:
         the tiles it shows and evaluate the pattern on its partial ones. mask_is_block_masks: mask is the array the
         block mask was made from (a tile it shows whole needs no look at it). score_mod_grads: the numbers of
         score_mod's float tables whose gradients the backward computes (attention_backward's score_mod_grads=).
+    packed: the packed sequences (Packed) or None.
     """
 
     q: Any
@@ -113,6 +163,7 @@ class Problem:
     block_mask: Any = None
     mask_is_block_masks: bool = False
     score_mod_grads: Tuple[int, ...] = ()
+    packed: Optional[Packed] = None
 
     @property
     def batch_size(self) -> int:
@@ -121,7 +172,8 @@ class Problem:
     @property
     def shape(self) -> Shape:
         """What the planner needs of this problem."""
-        return Shape(self.dtype, self.d, self.e, self.n, self.m, self.batch_size, self.precision)
+        return Shape(self.dtype, self.d, self.e, self.n, self.m, self.batch_size, self.precision,
+                     packed=self.packed is not None and self.packed.cu_seqlens_q is not None)
 
     @property
     def empty(self) -> bool:

@@ -76,8 +76,9 @@ def occupancy(shape: Shape, config: BlockConfig, device: DeviceLimits) -> int:
 def key_splits(shape: Shape, config: BlockConfig, device: DeviceLimits) -> int:
     """How many splits of the key axis either kernel sweeps in parallel (flash-decoding; 1: none): when the
     batch's query tiles leave at least half the GPU's SMs without a block, as many splits as one wave of blocks
-    holds, each at least SPLIT_MIN_KEYS keys. 1 when n or m is unknown."""
-    if shape.n is None or shape.m is None:
+    holds, each at least SPLIT_MIN_KEYS keys. 1 when n or m is unknown, or for packed sequences (their splits'
+    partial results would need packed scratch)."""
+    if shape.n is None or shape.m is None or shape.packed:
         return 1
     blocks = -(-shape.n // config.Br) * shape.batch_size
     if blocks == 0 or 2 * blocks > device.sm_count:

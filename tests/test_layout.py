@@ -32,7 +32,7 @@ def compiler_verdict(asserts, source="block.cuh"):
 
 @pytest.mark.parametrize("drift", ["cuflash::kMaxBatchDims == 6", "(int)cuflash::kLse == 6", "kBiasHides == 64",
                                    "Geometry, split_out) == 904", "sizeof(cuflash::OperandStrides) == 64",
-                                   "Params<double>, scale) == 168", "Params<__half>, flags) == 168",
+                                   "Params<double>, scale) == 192", "Params<__half>, flags) == 192",
                                    "mods::Args, error) == 632", "mods::Visits, owned) == 64",
                                    "cuflash::mods::kMaxTables == 8"])
 def test_a_drifted_declaration_is_caught(drift):

@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(const Params<T> p) {
     zero(dQ);
     int stage = 0;
     for (int t = 0; t < visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) {
-        const Scores<Acc> scores = Scores<Acc>::of(ops, p, p.n, visits.whole(t));
+        const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end, visits.whole(t));
         const long long j0 = key_start(t);
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         const BackwardTiles<T, Smem> swept(smem, stage);  // this key tile's K and V

@@ -421,7 +421,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
         }
         const long long j0 = ops.keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        const Scores<float> scores = Scores<float>::of(ops, p, p.n, whole);
+        const Scores<float> scores = Scores<float>::of(ops, p, ops.queries.end, whole);
         const bool partial = scores.partial(i0, rows, j0, cols, Bc);
         unsigned hidden[MT][2];
 #pragma unroll

@@ -78,11 +78,24 @@ __device__ __forceinline__ void load_rows_async(T* tile, const TileSource<T>& sr
                                                           src.vector);
 }
 
+// The sequence of the block's batch item: its query and key counts, and the rows of the operands where its queries
+// and keys start (0 but for packed sequences, Params::cu_seqlens_*).
+struct Sequence {
+    long long n, m, row_q, row_k;
+};
+template <typename P> __device__ __forceinline__ Sequence sequence_of(const P& p) {
+    if (p.cu_seqlens_q == nullptr) return {p.n, p.m, 0, 0};
+    const long long s = batch_item() / p.sequence_items;
+    const long long q0 = p.cu_seqlens_q[s], k0 = p.cu_seqlens_k[s];
+    return {p.cu_seqlens_q[s + 1] - q0, p.cu_seqlens_k[s + 1] - k0, q0, k0};
+}
+
 // What a block reads of the launch: the queries and keys it works on (a block of queries: its own rows, and the keys
 // they see; a block of keys: its own keys, and the queries that see them), every operand's base offset for its
-// batch item, the geometry table (strides, read where used), the diagonal offset m - n (bottom-right aligned) and
-// which optional operands exist; with sinks (Mods::kSinks), whether its rows' softmax starts from the sink (split
-// keys: split 0's only, so that the splits' merge counts it once). Made by query_block or key_block, nothing else.
+// batch item (its sequence's first row included), the geometry table (strides, read where used), its sequence's
+// diagonal offset m - n (bottom-right aligned) and which optional operands exist; with sinks
+// (Mods::kSinks), whether its rows' softmax starts from the sink (split keys: split 0's only, so that the splits'
+// merge counts it once). Made by query_block or key_block, nothing else.
 struct BlockOperands {
     Range queries, keys;
     BatchOffsets base;
@@ -102,9 +115,19 @@ struct BlockOperands {
     }
 };
 
-template <typename P> __device__ __forceinline__ BlockOperands block_operands(const P& p, Range queries, Range keys) {
-    return {queries, keys, batch_offsets(*p.geometry, batch_item()), p.geometry, p.m - p.n,
-            (p.flags & kHasMask) != 0, (p.flags & kHasBias) != 0, (p.flags & kBiasHides) != 0, true};
+// The operands indexed by query row, and those indexed by key (a packed sequence's rows start at its offsets).
+constexpr Operand kQueryRows[] = {kQ, kOut, kLse, kDout, kTerms, kDq};
+constexpr Operand kKeyRows[] = {kK, kV, kDk, kDv};
+
+template <typename P>
+__device__ __forceinline__ BlockOperands block_operands(const P& p, const Sequence& seq, Range queries, Range keys) {
+    BlockOperands ops{queries, keys, batch_offsets(*p.geometry, batch_item()), p.geometry, seq.m - seq.n,
+                      (p.flags & kHasMask) != 0, (p.flags & kHasBias) != 0, (p.flags & kBiasHides) != 0, true};
+    if (p.cu_seqlens_q != nullptr) {
+        for (const Operand x : kQueryRows) ops.base.of[x] += seq.row_q * p.geometry->op[x].row;
+        for (const Operand x : kKeyRows) ops.base.of[x] += seq.row_k * p.geometry->op[x].row;
+    }
+    return ops;
 }
 
 // With a block mask (Mods::kBlocks) a block's swept range starts on a tile of the block mask's (the launch's tiles,
@@ -119,13 +142,16 @@ template <int B> __device__ __forceinline__ Range on_tiles(Range swept) {
 // splits) x (query tiles) blocks: this block's tile and split. A split sweeps only its share of the keys and writes
 // its partial out and lse at its own place (the launch code combines the splits). A compile-time choice, like
 // Sliced: the split arithmetic costs the other kernels registers. Query tiles go last first: under a causal mask the
-// last rows see the most keys, and the heaviest blocks should start first, not leave the GPU waiting on them.
+// last rows see the most keys, and the heaviest blocks should start first, not leave the GPU waiting on them. The
+// launch's tiles are the longest sequence's: a block past its own sequence's rows has no queries and no keys.
 template <int Br, int Bc, bool Split, typename P> __device__ __forceinline__ BlockOperands query_block(const P& p) {
     const Geometry& g = *p.geometry;
+    const Sequence seq = sequence_of(p);
     const long long tiles = max_ll(1, (p.n + Br - 1) / Br), split = Split ? blockIdx.x / tiles : 0;
-    const long long i0 = (tiles - 1 - (Split ? blockIdx.x % tiles : blockIdx.x)) * (long long)Br;
-    const long long i1 = min_ll(p.n, i0 + Br);
-    BlockOperands ops = block_operands(p, {i0, i1}, on_tiles<Bc>(key_range(i0, i1, p.m, p.m - p.n, p.left, p.right)));
+    const long long i0 = min_ll(seq.n, (tiles - 1 - (Split ? blockIdx.x % tiles : blockIdx.x)) * (long long)Br);
+    const long long i1 = min_ll(seq.n, i0 + Br);
+    const Range keys = i0 < i1 ? key_range(i0, i1, seq.m, seq.m - seq.n, p.left, p.right) : Range{0, 0};
+    BlockOperands ops = block_operands(p, seq, {i0, i1}, on_tiles<Bc>(keys));
     if constexpr (Split) {
         ops.keys.begin = max_ll(ops.keys.begin, split * g.split_keys);
         ops.keys.end = max_ll(ops.keys.begin, min_ll(ops.keys.end, (split + 1) * g.split_keys));
@@ -136,10 +162,13 @@ template <int Br, int Bc, bool Split, typename P> __device__ __forceinline__ Blo
     return ops;
 }
 
-// A block of Bc keys (bwd_*dkdv's): its keys, and the queries that see them (the tiles of Br it sweeps).
+// A block of Bc keys (bwd_*dkdv's): its keys, and the queries that see them (the tiles of Br it sweeps); none past
+// its sequence's keys.
 template <int Bc, int Br, typename P> __device__ __forceinline__ BlockOperands key_block(const P& p) {
-    const long long j0 = blockIdx.x * (long long)Bc, j1 = min_ll(p.m, j0 + Bc);
-    return block_operands(p, on_tiles<Br>(query_range(j0, j1, p.n, p.m - p.n, p.left, p.right)), {j0, j1});
+    const Sequence seq = sequence_of(p);
+    const long long j0 = min_ll(seq.m, blockIdx.x * (long long)Bc), j1 = min_ll(seq.m, j0 + Bc);
+    const Range queries = j0 < j1 ? query_range(j0, j1, seq.n, seq.m - seq.n, p.left, p.right) : Range{0, 0};
+    return block_operands(p, seq, on_tiles<Br>(queries), {j0, j1});
 }
 
 // In P's shared tile a hidden key has probability -1 (a visible one has p >= 0 or NaN): P.V skips it by selection,

@@ -144,7 +144,7 @@ struct FwdBlock {
             }
             return;
         }
-        const Scores<Acc> step = Scores<Acc>::of(ops, p, p.n, whole);
+        const Scores<Acc> step = Scores<Acc>::of(ops, p, ops.queries.end, whole);
 #pragma unroll
         for (int a = 0; a < RPT; ++a) {
             hidden[a] = 0;
@@ -181,7 +181,8 @@ struct FwdBlock {
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         ScoreTile S;
         scores(S, t, j0, cols, stage);
-        const bool partial = Scores<Acc>::of(ops, p, p.n).partial(ops.queries.begin, ops.queries.size(), j0, cols, Bc);
+        const Range& rows = ops.queries;
+        const bool partial = Scores<Acc>::of(ops, p, rows.end).partial(rows.begin, rows.size(), j0, cols, Bc);
         unsigned hidden[RPT];
         score_step(S, hidden, j0, cols, partial, visits.whole(t));
         probabilities(S, hidden);

@@ -286,7 +286,7 @@ struct FwdMmaBlock {
         // Tile-wide: whether the tile is plain, its keys, and whether a hidden key's value row holds inf or NaN
         // (a hidden key's P is 0, and 0 * inf would be NaN: tiles with hidden keys look, and then P V runs on CUDA
         // cores with hidden keys skipped).
-        const Scores<Acc> step = Scores<Acc>::of(ops, p, p.n, order.whole(t));
+        const Scores<Acc> step = Scores<Acc>::of(ops, p, ops.queries.end, order.whole(t));
         const bool plain_tile = tile >= order.plain.lo && tile < order.plain.hi;
         const Acc S_scale = plain_tile ? p.scale_log2 : Acc(1);  // what takes S to the log2 domain
         const long long j0 = ops.keys.begin + (long long)tile * Bc;

@@ -100,9 +100,10 @@ struct Geometry {
 
 // Everything a kernel takes, one struct passed by value (its layout declared once in cuflash/launch.py, PARAMS,
 // and checked against this by the compiler): every operand (null where absent; the forward's first, then the
-// backward's, in Operand's order), the geometry table, the problem's sizes, the window's reach (left, right: n +
-// m + 1 for an unbounded side), scale log2(e) and scale, the launch flags (LaunchFlags) and what the mods and
-// sinks read (mods.cuh). O: the output's element type (the accumulator's for split keys' partial results).
+// backward's, in Operand's order), the geometry table, the packed sequences' offsets, the problem's sizes, the
+// window's reach (left, right: n + m + 1 for an unbounded side), scale log2(e) and scale, the launch flags
+// (LaunchFlags) and what the mods and sinks read (mods.cuh). O: the output's element type (the accumulator's for
+// split keys' partial results).
 template <typename T, typename O = T> struct Params {
     using Acc = typename AccOf<T>::type;
     const T* q;
@@ -119,6 +120,12 @@ template <typename T, typename O = T> struct Params {
     Acc* dv;
     Acc* dbias;
     const Geometry* geometry;
+    // Packed sequences (null: none): batch item b belongs to sequence b / sequence_items, whose query rows are
+    // [cu_seqlens_q[s], cu_seqlens_q[s + 1]) of the packed operands and its keys likewise; n and m are then the
+    // longest sequence's, which only size the launch.
+    const long long* cu_seqlens_q;
+    const long long* cu_seqlens_k;
+    long long sequence_items;
     long long n, m, d, e, left, right;
     Acc scale_log2, scale;
     int flags;
