@@ -142,6 +142,9 @@ class ndarray:
     def copy(self, order="C"):
         return self._wrap(self._a.copy(order=order))
 
+    def transpose(self, *axes):
+        return self._wrap(self._a.transpose(*axes))
+
     def get(self, stream=None, order="C", out=None, blocking=True):
         return np.array(self._a, order=order, copy=True)
 
@@ -149,10 +152,10 @@ class ndarray:
         return f"shim.ndarray({self._a!r}, device={self._device_id})"
 
     def max(self, axis=None, out=None, keepdims=False):
-        return self._wrap(self._a.max(axis=axis, keepdims=keepdims))
+        return self._wrap(np.asarray(self._a.max(axis=axis, keepdims=keepdims)))
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False):
-        return self._wrap(self._a.sum(axis=axis, dtype=dtype, keepdims=keepdims))
+        return self._wrap(np.asarray(self._a.sum(axis=axis, dtype=dtype, keepdims=keepdims)))
 
     def __neg__(self):
         return self._wrap(-self._a)
@@ -175,18 +178,29 @@ class ndarray:
     __array_ufunc__ = None  # NumPy scalars and arrays defer to CuPy's operators, as with CuPy's own ndarray
 
 
-def _elementwise(function):
-    """A CuPy ufunc: arrays of one device (the current one for scalars alone), no host arrays."""
-    def apply(*args, out=None):
+def _elementwise(function, keywords=False):
+    """A CuPy ufunc (or a function of arrays: keywords passed on): arrays of one device (the current one for
+    scalars alone), no host arrays."""
+    def apply(*args, out=None, **options):
         if any(isinstance(x, np.ndarray) for x in args + (out,)):
             raise TypeError("Unsupported type <class 'numpy.ndarray'>")
+        assert keywords or not options, options
         _same_device(*args, *([out] if out is not None else []))
         if out is not None:  # in place, as CuPy's ufuncs take out=
             function(*(_unwrap(x) for x in args), out=out._a)
             return out
         device = next((x._device_id for x in args if isinstance(x, ndarray)), _State.current)
-        return ndarray(np.asarray(function(*(_unwrap(x) for x in args))), device)
+        return ndarray(np.asarray(function(*(_unwrap(x) for x in args), **options)), device)
     return apply
+
+
+def _joined(function, arrays, axis):
+    """cupy.stack and cupy.concatenate: arrays of one device."""
+    arrays = list(arrays)
+    if any(not isinstance(x, ndarray) for x in arrays):
+        raise TypeError("Only cupy arrays can be joined")
+    _same_device(*arrays)
+    return arrays[0]._wrap(function([x._a for x in arrays], axis=axis))
 
 
 for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge", "and_"):
@@ -445,6 +459,10 @@ def make_shim():
     for name in ("where", "exp", "log", "isfinite", "matmul"):
         setattr(shim, name, _elementwise(getattr(np, name)))
     shim.swapaxes = lambda x, a, b: x._wrap(np.swapaxes(x._a, a, b))
+    for name in ("minimum", "searchsorted", "cumsum"):
+        setattr(shim, name, _elementwise(getattr(np, name), keywords=True))
+    for name in ("stack", "concatenate"):
+        setattr(shim, name, lambda arrays, axis=0, _f=getattr(np, name): _joined(_f, arrays, axis))
     shim.nonzero = lambda x: tuple(x._wrap(i) for i in np.nonzero(x._a))
     shim.arange = lambda *args, **kwargs: ndarray(np.arange(*args, **kwargs), _State.current)
     shim.inf = np.inf
@@ -740,3 +758,32 @@ def test_patterns_through_the_kernels_on_cupy_arrays(cupy):
         assert a.get().tobytes() == b.tobytes()
     with pytest.raises(IndexError, match="out of bounds for table0"):
         cuflash.attention(*device[1:], mask_mod=lambda b, h, i, j: ids[i + 20] < 2)
+
+
+def test_packed_sequences_on_cupy_arrays(cupy):
+    """attention_varlen on CuPy arrays with host offsets (copied to the device) and device sinks: the same kernels
+    and bits as the simt backend, forward and backward; bad device offsets are found by one reduction."""
+    from test_varlen import mods_of, packed
+    queries, keys = [5, 0, 21, 3], [7, 4, 18, 0]
+    q, k, v, cu_q, cu_k = packed(41, queries, keys, (4, 2), 16, 16, np.float16)
+    score_mod, mask_mod, _ = mods_of((4, 2), len(queries))
+    sinks = np.linspace(-1, 1, 4).astype(np.float32)
+    options = dict(score_mod=score_mod, mask_mod=mask_mod, causal=True)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, backend="simt", sinks=sinks, **options)
+    dout = np.random.default_rng(42).standard_normal(out.shape).astype(np.float16)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, backend="simt", sinks=sinks,
+                                              **options)
+    device = [cupy.asarray(x) for x in (dout, q, k, v)]
+    before = len(_State.launches)
+    got, got_lse = cuflash.attention_varlen(*device[1:], cu_q, cupy.asarray(cu_k), return_lse=True,
+                                            sinks=cupy.asarray(sinks), **options)
+    got_grads = cuflash.attention_varlen_backward(*device, got, got_lse, cupy.asarray(cu_q), cu_k,
+                                                  sinks=cupy.asarray(sinks), **options)
+    kernels = {name.split("<")[0] for name, *_ in _State.launches[before:]}
+    assert kernels == {"cuflash::fwd_mma", "cuflash::bwd_mma_dq", "cuflash::bwd_mma_dkdv"}
+    for a, b in zip((got, got_lse) + got_grads, (out, lse) + grads):
+        assert isinstance(a, cupy.ndarray) and a.get().tobytes() == b.tobytes()
+    with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
+        cuflash.attention_varlen(*device[1:], cu_q, cupy.asarray(np.array([0, 11, 7, 29, 29])))
+    with pytest.raises(TypeError, match="cu_seqlens_q is a CuPy array but q, k and v are NumPy arrays"):
+        cuflash.attention_varlen(q, k, v, cupy.asarray(cu_q), cu_k)
