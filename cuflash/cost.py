@@ -36,6 +36,7 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
+from .devices import DeviceLimits
 from .problem import Window
 
 KiB = 1024
@@ -177,15 +178,11 @@ def max_context(heads: int, d: int, budget_bytes: float, method: str, lengths=SE
 # Real per-block shared memory limits (CUDA C Programming Guide, opt-in maximum per block)
 # ---------------------------------------------------------------------------------------------------------
 
-BLOCK_SMEM_LIMIT = {
-    "V100": 96 * KiB,
-    "T4": 64 * KiB,
-    "A100": 163 * KiB,
-    "A10/RTX 3090": 99 * KiB,
-    "L4/RTX 4090": 99 * KiB,
-    "H100/H200": 227 * KiB,
-}
-DEFAULT_BLOCK_SMEM = 48 * KiB  # what a block gets on any of them without opting in
+# The table's columns: a GPU of devices.KNOWN for each (the one place its limits are written).
+_TABLE_GPUS = {"V100": "Tesla V100", "T4": "Tesla T4", "A100": "A100", "A10/RTX 3090": "A10",
+               "L4/RTX 4090": "L4", "H100/H200": "H100"}
+BLOCK_SMEM_LIMIT = {column: DeviceLimits.known(name).smem_per_block for column, name in _TABLE_GPUS.items()}
+DEFAULT_BLOCK_SMEM = DeviceLimits.known("A100").smem_default  # what a block gets on any of them without opting in
 
 
 # ---------------------------------------------------------------------------------------------------------

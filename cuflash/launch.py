@@ -69,7 +69,8 @@ def layout_asserts() -> List[str]:
     def check(expr: str, value: int) -> str:
         return f'static_assert({expr} == {value}, "launch.py declares {expr} == {value}");'
 
-    lines = [check("cuflash::kMaxBatchDims", MAX_BATCH_DIMS), check("(int)cuflash::kOperands", len(OPERANDS))]
+    lines = [check("cuflash::kMaxBatchDims", MAX_BATCH_DIMS), check("(int)cuflash::kOperands", len(OPERANDS)),
+             f'static_assert(cuflash::kLog2e == {LOG2E!r}, "launch.py declares LOG2E == {LOG2E!r}");']
     lines += [check(f"(int)cuflash::k{name.capitalize()}", index) for index, name in enumerate(OPERANDS)]
     lines += [check(f"(int)cuflash::{name}", value) for name, value in FLAGS.items()]
     lines += [check(f"cuflash::mods::kMax{name}", value) for name, value in (
@@ -351,7 +352,7 @@ class KernelPatterns:
         args["sinks"] = 0 if self.sinks is None else address(self.sinks)
         args["error"] = 0 if self.error is None else address(self.error)
 
-    def check_reads(self, xp) -> None:
+    def check_reads(self) -> None:
         """The IndexError of a read outside a table, after the launches (on a GPU this waits for them)."""
         if self.error is None:
             return
@@ -460,7 +461,7 @@ def run(problem, out, lse, plan: Plan, get_kernel: GetKernel, patterns: Optional
     else:
         _run(launches(problem, out, lse, plan, patterns=patterns), plan, get_kernel)
     if patterns is not None:
-        patterns.check_reads(problem.xp)
+        patterns.check_reads()
 
 
 def run_backward(problem, plans, dout, out, lse, grads, get_kernel: GetKernel,
@@ -473,7 +474,7 @@ def run_backward(problem, plans, dout, out, lse, grads, get_kernel: GetKernel,
         if plan.grid_x:  # no keys: dk and dv are empty, dq stays 0
             _run(backward_launches(problem, plan, operands, patterns), plan, get_kernel)
     if patterns is not None:
-        patterns.check_reads(problem.xp)
+        patterns.check_reads()
 
 
 def _run(todo: List[Launch], plan: Plan, get_kernel: GetKernel) -> None:

@@ -231,7 +231,7 @@ MUTANTS = (
       [FMA, MMA],
       "the mask is never read"),
     m("bias-base-e-kernels",
-      [("s += b * kLog2e;",
+      [("s += b * A(kLog2e);",
         "s += b;")],
       [FMA, MMA],
       "the bias added in the natural-log domain to scores kept in the log2 domain"),

@@ -16,7 +16,7 @@ def test_geometry_table_layout_equals_the_kernels():
     structs = (launch.OPERAND_STRIDES, launch.GEOMETRY, kernel_mods.TABLE, kernel_mods.VISITS, kernel_mods.ARGS) + \
         tuple(launch.PARAMS.values())
     every_field = sum(len(dtype.names) for dtype in structs)
-    assert len(asserts) == 2 + len(launch.OPERANDS) + len(launch.FLAGS) + 3 + len(structs) + every_field
+    assert len(asserts) == 3 + len(launch.OPERANDS) + len(launch.FLAGS) + 3 + len(structs) + every_field
     drift = compiler_verdict(asserts)
     assert drift is None, f"launch.py's declared table differs from what the kernels read:\n{drift}"
 

@@ -229,7 +229,6 @@ template <typename A> struct Scores {
     // wants d score_mod / d score (kernels with a score_mod).
     __device__ __forceinline__ A operator()(A S, long long i, long long j, int jj, RowSpan span, bool& visible,
                                             A* slope = nullptr) const {
-        constexpr A kLog2e = A(1.4426950408889634);
         visible = jj >= span.lo && jj < span.hi;
         if (visible && ops.has_mask) visible = mask[ops.base.of[kMask] + i * ops.strides(kMask).row +
                                                     j * ops.strides(kMask).col];
@@ -237,7 +236,7 @@ template <typename A> struct Scores {
         if (visible && ops.has_bias) {
             b = bias[ops.base.of[kBias] + i * ops.strides(kBias).row + j * ops.strides(kBias).col];
             if (ops.bias_hides) visible = b != -infinity<A>();
-            s += b * kLog2e;
+            s += b * A(kLog2e);
         }
         if constexpr (kHasMods) s = with_mods(S * scale + b, s, i, j, visible, slope);
         return visible ? s : -infinity<A>();
@@ -257,7 +256,7 @@ template <typename A> struct Scores {
         if constexpr (Mods::kMask)
             if (!whole) visible = Mods::template mask<A>(batch.at, i, j, *args) && visible;
         if constexpr (Mods::kScore) {
-            s = Mods::template score<A>(score, batch.at, i, j, *args) * A(1.4426950408889634);
+            s = Mods::template score<A>(score, batch.at, i, j, *args) * A(kLog2e);
             if (slope) *slope = Mods::template slope<A>(score, batch.at, i, j, *args);
         }
         return s;
@@ -330,7 +329,7 @@ template <typename Acc, int R, int Lanes, bool Fast> struct OnlineSoftmax {
         if constexpr (!Mods::kSinks) {
             start();
         } else {
-            const Acc sink = ops.sink ? static_cast<const Acc*>(p.mods.sinks)[batch_item()] * Acc(1.4426950408889634)
+            const Acc sink = ops.sink ? static_cast<const Acc*>(p.mods.sinks)[batch_item()] * Acc(kLog2e)
                                       : -infinity<Acc>();
             const bool first = threadIdx.x % Lanes == 0;
 #pragma unroll

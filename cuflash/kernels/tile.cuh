@@ -42,7 +42,8 @@ __device__ __forceinline__ double fma_(double a, double b, double c) { return fm
 __device__ __forceinline__ float exp2_fast(float x) { return ptx::ex2_approx_ftz(x); }
 __device__ __forceinline__ double exp2_fast(double x) { return exp2(x); }
 
-constexpr double kLn2 = 0.6931471805599453;  // lse = (m_i + log2 l_i) ln 2
+constexpr double kLn2 = 0.6931471805599453;    // lse = (m_i + log2 l_i) ln 2
+constexpr double kLog2e = 1.4426950408889634;  // scores and sinks move to the log2 domain: s log2 e
 
 template <typename A> __device__ __forceinline__ A infinity();
 #if defined(__CUDACC__)
@@ -110,7 +111,7 @@ template <typename T, typename O = T> struct Params {
     const T* k;
     const T* v;
     const bool* mask;
-    const Acc* bias;  // in the accumulator type (the launch casts the un-broadcast original once)
+    const Acc* bias;  // in the accumulator type (the front door casts the un-broadcast original once)
     O* out;
     Acc* lse;
     const T* dout;
