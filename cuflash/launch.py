@@ -36,17 +36,21 @@ MAX_GRID_Y = 65535
 RESIDENT_LIMIT = 256  # device copies of geometry tables kept per process
 SIZES = ("n", "m", "d", "e", "left", "right")
 PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k")  # packed sequences' offsets (problem.Packed), null without
+# The C struct Pages of kernels/tile.cuh: paged keys and values (problem.Paged), zero without.
+PAGES = np.dtype([("table", np.uint64), ("seqlens", np.uint64), ("table_stride", np.int64), ("size", np.int64),
+                  ("stride_k", np.int64), ("stride_v", np.int64)])
 
 
 def params_dtype(acc) -> np.dtype:
     """The C struct Params of kernels/tile.cuh, field for field, for accumulator type acc (float32 or float64):
     every kernel's one parameter, passed by value. A pointer per operand (OPERANDS; 0 where absent), the geometry
-    table's, the packed sequences' offsets and batch items per sequence (0 without), the sizes and the window's
-    reach, scale log2(e) and scale in acc, the launch flags and the mods' Args (kernels/mods.py)."""
+    table's, the packed sequences' offsets and batch items per sequence (0 without), the pages (PAGES), the sizes
+    and the window's reach, scale log2(e) and scale in acc, the launch flags and the mods' Args
+    (kernels/mods.py)."""
     acc = np.dtype(acc)
     pointers = OPERANDS + ("geometry",) + PACKED_OFFSETS
-    return np.dtype([(name, np.uint64) for name in pointers] +
-                    [(name, np.int64) for name in ("sequence_items",) + SIZES] +
+    return np.dtype([(name, np.uint64) for name in pointers] + [("sequence_items", np.int64), ("pages", PAGES)] +
+                    [(name, np.int64) for name in SIZES] +
                     [("scale_log2", acc), ("scale", acc), ("flags", np.int32), ("mods", kernel_mods.ARGS)],
                     align=True)
 
@@ -76,7 +80,8 @@ def layout_asserts() -> List[str]:
     lines += [check(f"cuflash::mods::kMax{name}", value) for name, value in (
         ("Tables", kernel_mods.MAX_TABLES), ("TableAxes", kernel_mods.MAX_TABLE_AXES),
         ("BatchAxes", kernel_mods.MAX_BATCH_AXES))]
-    structs = [("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY), ("mods::Table", kernel_mods.TABLE),
+    structs = [("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY), ("Pages", PAGES),
+               ("mods::Table", kernel_mods.TABLE),
                ("mods::Visits", kernel_mods.VISITS), ("mods::Args", kernel_mods.ARGS)] + \
         [(f"Params<{PARAMS_OF[acc]}>", dtype) for acc, dtype in PARAMS.items()]
     for struct, dtype in structs:
@@ -252,7 +257,7 @@ def launch_flags(problem, operands) -> int:
     flags = 0
     for name, bit in VECTOR_FLAGS:
         x = operands.get(name)
-        if x is not None and vector_ok(x, element_strides(x)):
+        if x is not None and vector_ok(x, element_strides(x)) and pages_aligned(problem, name):
             flags |= bit
     if operands.get("mask") is not None:
         flags |= HAS_MASK
@@ -263,6 +268,14 @@ def launch_flags(problem, operands) -> int:
     if operands.get("dbias") is not None:
         flags |= WANT_DBIAS
     return flags
+
+
+def pages_aligned(problem, name: str) -> bool:
+    """Whether a paged operand's pages start 16 bytes apart (every operand of an unpaged problem: True)."""
+    paged = problem.paged
+    if paged is None or name not in ("k", "v"):
+        return True
+    return paged.page_stride(name) * problem.dtype.itemsize % 16 == 0
 
 
 def kernel_params(problem, operands, table, e, flags, patterns=None) -> np.ndarray:
@@ -282,6 +295,12 @@ def kernel_params(problem, operands, table, e, flags, patterns=None) -> np.ndarr
         for name in PACKED_OFFSETS:
             params[name] = address(getattr(problem.packed, name))
         params["sequence_items"] = problem.batch_size // problem.batch[0]
+    if problem.paged is not None:
+        paged, pages = problem.paged, params["pages"]
+        pages["table"], pages["seqlens"] = address(paged.block_table), address(paged.seqlens)
+        pages["table_stride"], pages["size"] = paged.block_table.shape[1], paged.page_size
+        pages["stride_k"], pages["stride_v"] = paged.page_stride("k"), paged.page_stride("v")
+        params["sequence_items"] = problem.batch_size // problem.batch[0]
     if patterns is not None:
         patterns.write(params["mods"], problem.batch)
     return params
@@ -299,7 +318,11 @@ def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_stride
 
 
 def packed_offsets(problem) -> tuple:
-    """The arrays of a packed problem's offsets, which its kernels read (none without)."""
+    """The arrays of a packed problem's offsets, or a paged problem's table, key counts and caches, which its
+    kernels read (none without)."""
+    if problem.paged is not None:
+        paged = problem.paged
+        return paged.block_table, paged.seqlens, paged.k_cache, paged.v_cache
     if not problem.shape.packed:
         return ()
     return tuple(getattr(problem.packed, name) for name in PACKED_OFFSETS)

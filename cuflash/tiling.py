@@ -76,10 +76,12 @@ def occupancy(shape: Shape, config: BlockConfig, device: DeviceLimits) -> int:
 def key_splits(shape: Shape, config: BlockConfig, device: DeviceLimits) -> int:
     """How many splits of the key axis either kernel sweeps in parallel (flash-decoding; 1: none): when the
     batch's query tiles leave at least half the GPU's SMs without a block, as many splits as one wave of blocks
-    holds, each at least SPLIT_MIN_KEYS keys. 1 when n or m is unknown, or for packed sequences (their splits'
-    partial results would need packed scratch)."""
+    holds, each at least SPLIT_MIN_KEYS keys; or as many as shape.splits forces. 1 when n or m is unknown, or for
+    packed sequences (their splits' partial results would need packed scratch)."""
     if shape.n is None or shape.m is None or shape.packed:
         return 1
+    if shape.splits is not None:
+        return shape.splits
     blocks = -(-shape.n // config.Br) * shape.batch_size
     if blocks == 0 or 2 * blocks > device.sm_count:
         return 1
@@ -197,13 +199,14 @@ class Plan:
 
     @property
     def kernel(self) -> Tuple[str, str]:
-        """What the plan's compiled kernel is known by: its name expression and its mods' key."""
-        return self.name, "" if self.mods is None else self.mods.key
+        """What the plan's compiled kernel is known by: its name expression, and its mods' key (with "paged;"
+        before it for a kernel that walks pages)."""
+        return self.name, ("paged;" if self.shape.paged else "") + ("" if self.mods is None else self.mods.key)
 
     @property
     def code(self) -> str:
-        """The kernel's source string (kernels.source: its file, and its mods' CUDA)."""
-        return kernels.source(self.source, "" if self.mods is None else self.mods.source)
+        """The kernel's source string (kernels.source: its file, its mods' CUDA, whether it walks pages)."""
+        return kernels.source(self.source, "" if self.mods is None else self.mods.source, self.shape.paged)
 
     def with_mods(self, mods) -> "Plan":
         """The same plan for a kernel compiled with these mods (None: without)."""

@@ -49,7 +49,9 @@ MODS = "mods.cuh"
 
 
 @functools.lru_cache(maxsize=256)
-def source(entry: str = "forward.cuh", mods: str = "") -> str:
+def source(entry: str = "forward.cuh", mods: str = "", paged: bool = False) -> str:
     """The one source string of `entry` with its local headers resolved; mods: the CUDA of a kernel's mods
-    (kernels/mods.py), placed right after mods.cuh."""
-    return "\n".join(_inline(entry, set(), mods)) + "\n"
+    (kernels/mods.py), placed right after mods.cuh; paged: the kernels walk the pages of paged keys and values
+    (tile.cuh's kPaged)."""
+    defines = ["#define CUFLASH_PAGED 1"] if paged else []
+    return "\n".join(defines + _inline(entry, set(), mods)) + "\n"

@@ -58,24 +58,44 @@ template <typename P> __device__ __forceinline__ bool in_batch(const P& p) {
 // Rows of one operand of the block's batch item, as a tile copy reads them: row 0's first element, the strides,
 // the operand's width (d or e: columns past it are zero in the tile) and whether 16-byte copies serve it (the
 // launch's vector flag: unit column stride and aligned rows).
+// In paged kernels a source also says where its pages are (PageWalk: none where its table is null); in the
+// others it has nothing more (Unpaged), and its copies compile as they always have.
+using PagesOf = typename Select<kPaged, PageWalk, Unpaged>::type;
+__device__ __forceinline__ bool walks(const PageWalk& pages) { return pages.table != nullptr; }
+__device__ __forceinline__ bool walks(Unpaged) { return false; }
+__device__ __forceinline__ PageWalk starting(const PageWalk& pages, long long r0) {
+    return {pages.table, pages.size, pages.stride, r0};
+}
+__device__ __forceinline__ Unpaged starting(Unpaged, long long) { return {}; }
+
 template <typename T> struct TileSource {
     const T* at;
     long long row, col;
     int width;
     bool vector;
+    PagesOf pages;
     __device__ __forceinline__ const T* rows(long long r0) const { return at + r0 * row; }
+    // Columns [x0, x0 + width) of the same rows (the CUDA-core forward's slices of the head dimension).
+    __device__ __forceinline__ TileSource columns(long long x0, int cols) const {
+        return {at + x0 * col, row, col, cols, vector, pages};
+    }
+    // What a tile copy of rows [r0, ...) reads: where its row 0 is (a paged source's: page 0's), and how it walks
+    // the pages, if any.
+    __device__ __forceinline__ const T* copy_from(long long r0) const { return walks(pages) ? at : rows(r0); }
+    __device__ __forceinline__ PagesOf walk_from(long long r0) const { return starting(pages, r0); }
 };
 
 // Rows [r0, r0 + rows) of src into a shared tile of Rows x Cols (pitch LD), zero past them: synchronous loads, or
 // cp.async copies that land at the wait covering the caller's commit (Unrolled: load_tile_async's whole tiles).
 template <typename T, int Rows, int Cols, int LD, int Threads>
 __device__ __forceinline__ void load_rows(T* tile, const TileSource<T>& src, long long r0, int rows) {
-    load_tile<T, Rows, Cols, LD, Threads>(tile, src.rows(r0), src.row, src.col, rows, src.width, src.vector);
+    load_tile<T, Rows, Cols, LD, Threads>(tile, src.copy_from(r0), src.row, src.col, rows, src.width, src.vector,
+                                          src.walk_from(r0));
 }
 template <typename T, int Rows, int Cols, int LD, int Threads, bool Unrolled = false>
 __device__ __forceinline__ void load_rows_async(T* tile, const TileSource<T>& src, long long r0, int rows) {
-    load_tile_async<T, Rows, Cols, LD, Threads, Unrolled>(tile, src.rows(r0), src.row, src.col, rows, src.width,
-                                                          src.vector);
+    load_tile_async<T, Rows, Cols, LD, Threads, Unrolled>(tile, src.copy_from(r0), src.row, src.col, rows,
+                                                          src.width, src.vector, src.walk_from(r0));
 }
 
 // The sequence of the block's batch item: its query and key counts, and the rows of the operands where its queries
@@ -84,6 +104,7 @@ struct Sequence {
     long long n, m, row_q, row_k;
 };
 template <typename P> __device__ __forceinline__ Sequence sequence_of(const P& p) {
+    if constexpr (kPaged) return {p.n, p.pages.seqlens[batch_item() / p.sequence_items], 0, 0};
     if (p.cu_seqlens_q == nullptr) return {p.n, p.m, 0, 0};
     const long long s = batch_item() / p.sequence_items;
     const long long q0 = p.cu_seqlens_q[s], k0 = p.cu_seqlens_k[s];
@@ -114,6 +135,19 @@ struct BlockOperands {
         return at + base.of[x] + i * g->op[x].row;
     }
 };
+
+// The keys (x = kK) or values (kV) of the block's batch item as its tile copies read them: in paged kernels, in
+// the pages of its sequence.
+template <typename P>
+__device__ __forceinline__ auto key_source(const P& p, const BlockOperands& ops, Operand x) {
+    auto src = x == kK ? ops.source(p.k, kK, p.d, p.flags, kVectorK) : ops.source(p.v, kV, p.e, p.flags, kVectorV);
+    if constexpr (kPaged) {
+        const long long s = batch_item() / p.sequence_items;
+        src.pages = {p.pages.table + s * p.pages.table_stride, p.pages.size,
+                     x == kK ? p.pages.stride_k : p.pages.stride_v, 0};
+    }
+    return src;
+}
 
 // The operands indexed by query row, and those indexed by key (a packed sequence's rows start at its offsets).
 constexpr Operand kQueryRows[] = {kQ, kOut, kLse, kDout, kTerms, kDq};

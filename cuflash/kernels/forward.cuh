@@ -69,7 +69,7 @@ struct FwdBlock {
     __device__ __forceinline__ FwdBlock(const Params<T, O>& params, unsigned char* smem)
         : p(params), ops(query_block<Br, Bc, Split>(p)), visits(visited<Bc>(p, ops.queries.begin / Br, ops.keys)),
           Q(ops.source(p.q, kQ, p.d, p.flags, kVectorQ)),
-          K(ops.source(p.k, kK, p.d, p.flags, kVectorK)), V(ops.source(p.v, kV, p.e, p.flags, kVectorV)),
+          K(key_source(p, ops, kK)), V(key_source(p, ops, kV)),
           Q_s(reinterpret_cast<T*>(smem + Smem::q_offset)), K_s(reinterpret_cast<T*>(smem + Smem::k_offset)),
           V_s(reinterpret_cast<T*>(smem + Smem::v_offset)), P_s(reinterpret_cast<Acc*>(smem + Smem::p_offset)),
           tx(threadIdx.x % TC), ty(threadIdx.x / TC) {}
@@ -118,8 +118,7 @@ struct FwdBlock {
             const int slices = Sliced ? (int)((p.d + D - 1) / D) : 1;
             for (int slice = 0; slice < slices; ++slice) {
                 const long long x0 = (long long)slice * D;
-                const TileSource<T> Q_x{Q.at + x0 * Q.col, Q.row, Q.col, (int)min_ll(D, p.d - x0), Q.vector};
-                const TileSource<T> K_x{K.at + x0 * K.col, K.row, K.col, Q_x.width, K.vector};
+                const TileSource<T> Q_x = Q.columns(x0, (int)min_ll(D, p.d - x0)), K_x = K.columns(x0, Q_x.width);
                 __syncthreads();  // the previous slice's Q and K (at slice 0: the last tile's K, V and P) are read
                 if constexpr (Sliced)
                     load_rows<T, Br, D, Smem::LDQ, Threads>(Q_s, Q_x, ops.queries.begin, ops.queries.size());

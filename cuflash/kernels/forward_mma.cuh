@@ -102,8 +102,9 @@ struct FwdMmaBlock {
     __device__ __forceinline__ static Sweep sweep_of(const Params<T, O>& p) {
         const BlockOperands ops = query_block<Br, Bc, Split>(p);
         const bool positive_scale = p.scale_log2 > Acc(0) && p.scale_log2 < infinity<Acc>();
-        const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(ops.source(p.k, kK, p.d, p.flags, kVectorK),
-                                                                    ops.source(p.v, kV, p.e, p.flags, kVectorV));
+        // Paged keys and values take the general copy, which finds each row's page.
+        const bool chunk_loads = !kPaged && mma::chunk_loads<KLoader, VLoader>(key_source(p, ops, kK),
+                                                                               key_source(p, ops, kV));
         const TileRange plain = plain_tiles<Br, Bc, false>(ops, p.left, p.right, positive_scale);
         return {ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages,
                                      visited<Bc>(p, ops.queries.begin / Br, ops.keys))};
@@ -155,10 +156,8 @@ struct FwdMmaBlock {
         }
         const long long j0 = ops.keys.begin + (long long)tile * Bc;
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        load_rows_async<T, Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK,
-                                                     ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, cols);
-        load_rows_async<T, Bc, E, Smem::LDV, Threads>(V_s + stage * Bc * Smem::LDV,
-                                                     ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, cols);
+        load_rows_async<T, Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK, key_source(p, ops, kK), j0, cols);
+        load_rows_async<T, Bc, E, Smem::LDV, Threads>(V_s + stage * Bc * Smem::LDV, key_source(p, ops, kV), j0, cols);
     }
 
     // Q_i is the first cp.async group, the first Stages - 1 key tiles the next ones; then Q_i's fragments (float:

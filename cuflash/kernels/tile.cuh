@@ -99,6 +99,24 @@ struct Geometry {
     long long split_keys, split_out, split_lse;
 };
 
+// Select<C, A, B>::type: A where C holds, else B.
+template <bool C, typename A, typename B> struct Select { using type = A; };
+template <typename A, typename B> struct Select<false, A, B> { using type = B; };
+
+// Paged keys and values (attention_paged: kernels compiled with CUFLASH_PAGED): key j of batch item b's sequence
+// s = b / Params::sequence_items is row j % size of page table[s * table_stride + j / size] of the K and V caches,
+// whose pages lie stride_k and stride_v elements apart (the operands' geometry: a page's rows and the heads);
+// seqlens[s] is the sequence's key count. The launch checked every page id the keys use against the caches.
+struct Pages {
+    const long long* table;
+    const long long* seqlens;
+    long long table_stride, size, stride_k, stride_v;
+};
+#ifndef CUFLASH_PAGED
+#define CUFLASH_PAGED 0
+#endif
+constexpr bool kPaged = CUFLASH_PAGED != 0;
+
 // Everything a kernel takes, one struct passed by value (its layout declared once in cuflash/launch.py, PARAMS,
 // and checked against this by the compiler): every operand (null where absent; the forward's first, then the
 // backward's, in Operand's order), the geometry table, the packed sequences' offsets, the problem's sizes, the
@@ -127,6 +145,7 @@ template <typename T, typename O = T> struct Params {
     const long long* cu_seqlens_q;
     const long long* cu_seqlens_k;
     long long sequence_items;
+    Pages pages;  // paged keys and values (kernels compiled with CUFLASH_PAGED); zero in the others
     long long n, m, d, e, left, right;
     Acc scale_log2, scale;
     int flags;
@@ -284,10 +303,29 @@ __device__ __forceinline__ int chunk_row(int idx) {
         return r;
 }
 
+// Where a tile copy finds row r of its source: r rows past src (row_stride apart), or, for a paged operand (a
+// PageWalk with a table), in its page: src is then the operand's row 0 of page 0, and the tile's rows begin at r0.
+struct Unpaged {};
+struct PageWalk {
+    const long long* table;  // the sequence's page ids (null: the operand is not paged)
+    long long size, stride;  // rows per page, elements from one page to the next
+    long long r0;            // the tile's first row
+};
+template <typename T>
+__device__ __forceinline__ const T* row_at(const T* src, int r, long long row_stride, Unpaged) {
+    return src + r * row_stride;
+}
+template <typename T>
+__device__ __forceinline__ const T* row_at(const T* src, int r, long long row_stride, const PageWalk& walk) {
+    if (walk.table == nullptr) return src + r * row_stride;
+    const long long x = walk.r0 + r;
+    return src + walk.table[x / walk.size] * walk.stride + x % walk.size * row_stride;
+}
+
 // src (global memory) and dst (shared memory) never alias: __restrict__ lets the loads take the read-only path.
-template <typename T, int Rows, int Cols, int LD, int Threads>
+template <typename T, int Rows, int Cols, int LD, int Threads, typename Walk = Unpaged>
 __device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restrict__ src, long long row_stride,
-                                          long long col_stride, int rows, int cols, bool vector) {
+                                          long long col_stride, int rows, int cols, bool vector, Walk walk = {}) {
     const T zero = from_acc<T>(0);
     if (vector) {  // the launch checked: col_stride == 1 and every row start is 16-byte aligned
         constexpr int V = 16 / sizeof(T);
@@ -299,7 +337,7 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restri
             if (Chunks % Threads != 0 && idx >= Chunks) break;
             const int r = chunk_row<Cols / V, Rows, LD * sizeof(T) / 16>(idx), c = (idx % (Cols / V)) * V;
             if (r < rows && c + V <= cols) {
-                const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(src + r * row_stride + c);
+                const Chunk16 chunk = *reinterpret_cast<const Chunk16*>(row_at(src, r, row_stride, walk) + c);
                 if constexpr (LD * sizeof(T) % 16 == 0) {  // 16-byte aligned rows take the chunk in one store
                     *reinterpret_cast<uint4*>(dst + r * LD + c) = *reinterpret_cast<const uint4*>(&chunk);
                 } else {
@@ -312,13 +350,13 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restri
             } else {
 #pragma unroll
                 for (int t = 0; t < V; ++t)
-                    dst[r * LD + c + t] = (r < rows && c + t < cols) ? src[r * row_stride + (c + t)] : zero;
+                    dst[r * LD + c + t] = (r < rows && c + t < cols) ? row_at(src, r, row_stride, walk)[c + t] : zero;
             }
         }
     } else {
         for (int idx = threadIdx.x; idx < Rows * Cols; idx += Threads) {
             const int r = idx / Cols, c = idx % Cols;
-            dst[r * LD + c] = (r < rows && c < cols) ? src[r * row_stride + c * col_stride] : zero;
+            dst[r * LD + c] = (r < rows && c < cols) ? row_at(src, r, row_stride, walk)[c * col_stride] : zero;
         }
     }
 }
@@ -328,9 +366,9 @@ __device__ __forceinline__ void load_tile(T* __restrict__ dst, const T* __restri
 // plain element loads, in shared memory at once. Rows of LD elements start 16-byte aligned. Unrolled: a whole
 // tile's copies (every row and column there) unrolled, their trip count known here, and without predicates (for
 // a hot loop's loads); other tiles' stay a loop.
-template <typename T, int Rows, int Cols, int LD, int Threads, bool Unrolled = false>
+template <typename T, int Rows, int Cols, int LD, int Threads, bool Unrolled = false, typename Walk = Unpaged>
 __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long row_stride, long long col_stride,
-                                                int rows, int cols, bool vector) {
+                                                int rows, int cols, bool vector, Walk walk = {}) {
     constexpr int kChunk = chunk_pad<T>(), ChunksPerRow = Cols / kChunk, Chunks = Rows * ChunksPerRow;
     static_assert(Cols % kChunk == 0 && LD * sizeof(T) % 16 == 0, "16-byte chunks into 16-byte aligned rows");
     if (Unrolled && vector && rows == Rows && cols == Cols) {  // a whole tile: every chunk whole, no predicate
@@ -339,7 +377,7 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
             const int idx = threadIdx.x + k * Threads, c = idx % ChunksPerRow * kChunk;
             const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(idx);
             if (Chunks % Threads == 0 || idx < Chunks)
-                ptx::cp_async_cg16_whole(ptx::shared_addr(dst + r * LD + c), src + r * row_stride + c);
+                ptx::cp_async_cg16_whole(ptx::shared_addr(dst + r * LD + c), row_at(src, r, row_stride, walk) + c);
         }
         return;
     }
@@ -347,13 +385,14 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* src, long long 
         const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(idx), c = idx % ChunksPerRow * kChunk;
         if (vector) {
             const int valid = r < rows ? (cols - c < 0 ? 0 : (cols - c > kChunk ? kChunk : cols - c)) : 0;
-            const T* from = valid ? src + r * row_stride + c : src;  // nothing is read when valid == 0
+            const T* from = valid ? row_at(src, r, row_stride, walk) + c : src;  // nothing is read when valid == 0
             ptx::cp_async_cg16(dst + r * LD + c, from, valid * (int)sizeof(T));
         } else {
             const T zero = from_acc<T>(0.0f);
 #pragma unroll
             for (int x = 0; x < kChunk; ++x)
-                dst[r * LD + c + x] = (r < rows && c + x < cols) ? src[r * row_stride + (c + x) * col_stride] : zero;
+                dst[r * LD + c + x] =
+                    (r < rows && c + x < cols) ? row_at(src, r, row_stride, walk)[(c + x) * col_stride] : zero;
         }
     }
 }
