@@ -707,12 +707,14 @@ def kernel_mods_of(name: Optional[str]):
 
 
 def plans(gpu: str, dtype: str, d: int, n: int, m: int, batch: int, block, kernels_wanted: str,
-          precision: str = "highest", mods: Optional[str] = None):
+          precision: str = "highest", mods: Optional[str] = None, paged: bool = False):
     """[(kind, plan, or the sentence saying why there is none)] of what the planner picks for the problem (with
-    the named mods compiled in: MODS)."""
-    device, shape = DeviceLimits.known(gpu), Shape(DTYPES[dtype], d, d, n, m, batch, precision)
+    the named mods compiled in: MODS; paged: the forward kernels that walk a paged cache's pages)."""
+    device, shape = DeviceLimits.known(gpu), Shape(DTYPES[dtype], d, d, n, m, batch, precision, paged=paged)
     code = kernel_mods_of(mods)
     result = []
+    if paged:
+        kernels_wanted = "forward"  # a paged cache is read by the forward only
     if kernels_wanted in ("all", "forward"):
         try:
             result.append(("forward", tiling.plan(shape, device, block).with_mods(code)))
@@ -770,7 +772,7 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
         "precision": plan.shape.precision,
         "d": plan.shape.d, "e": plan.shape.e, "n": plan.shape.n, "m": plan.shape.m, "causal": causal,
         "kind": plan.family.kind, "kernel": plan.name, "config": str(plan.config), "warps": plan.config.warps,
-        "mods": None if plan.mods is None else plan.mods.key,
+        "mods": None if plan.mods is None else plan.mods.key, "paged": plan.shape.paged,
         "usage": compiled["usage"], "loop": {"first": f"{loop.first:#x}", "last": f"{loop.last:#x}"},
         "per_tile": {"instructions": total, **path}, "span": {"instructions": sum(span.values()), **span},
         "opcodes": {op: n for (_, op), n in sorted(loop.path.items())},
@@ -792,13 +794,14 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
 
 
 def run(gpus, dtypes, head_dims, n, m, causal=False, block=None, kernels_wanted="all", batch=1, workers=2,
-        precisions=("highest",), mods=None):
+        precisions=("highest",), mods=None, paged=False):
     """(rows, {(gpu, name expression): SASS}) for every kernel the planner picks, one NVRTC program per source
     string and architecture, compiled in parallel. precisions: those of float32 to plan for (the other dtypes take
-    the first). mods: the built-in mods (MODS) the kernels are compiled with, or None."""
+    the first). mods: the built-in mods (MODS) the kernels are compiled with, or None. paged: the paged cache's
+    forward kernels."""
     picked = [(gpu, dtype, d, kind, plan) for gpu in gpus for dtype in dtypes for d in head_dims
               for precision in (precisions if dtype == "float32" else precisions[:1])
-              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted, precision, mods)]
+              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted, precision, mods, paged)]
     jobs = {}
     for gpu, _, _, _, plan in picked:
         if not isinstance(plan, str):
@@ -923,6 +926,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="CI mode: the float16 forward at d = 64 on an H100")
     parser.add_argument("--mods", choices=sorted(MODS), help="compile the kernels with a built-in mod: their hot "
                                                              "loop then has no plain tiles (every tile is partial)")
+    parser.add_argument("--paged", action="store_true", help="the forward kernels that read a paged KV cache "
+                                                                "(attention_paged), walking each row's page")
     args = parser.parse_args(argv)
     if cuobjdump() is None or not nvrtc_available():
         print("sass_report: needs NVRTC, cuobjdump and nvdisasm: pip install nvidia-cuda-nvrtc-cu12 "
@@ -934,9 +939,10 @@ def main(argv=None) -> int:
         gpus, dtypes = args.gpu or ["H100", "A100"], args.dtype or ["float16", "bfloat16", "float32"]
         dims, wanted = args.d or [64, 128], args.kernels
     rows, sass = run(gpus, dtypes, dims, args.n, args.m, args.causal, args.block, wanted, args.batch,
-                     precisions=tuple(args.precision or ["highest"]), mods=args.mods)
+                     precisions=tuple(args.precision or ["highest"]), mods=args.mods, paged=args.paged)
     print(HEADER)
-    print(f"n = {args.n}, m = {args.m}, batch x heads = {args.batch}{', causal' if args.causal else ''}\n")
+    print(f"n = {args.n}, m = {args.m}, batch x heads = {args.batch}{', causal' if args.causal else ''}"
+          f"{', paged keys and values (kernels that walk the pages)' if args.paged else ''}\n")
     print(table(rows))
     for r in rows:
         for note in r.get("notes", []):

@@ -12,9 +12,10 @@ from .dtypes import bfloat16
 from .devices import DeviceLimits
 from .family import BlockConfig
 from .merging import merge
+from .paged import attention_paged
 from .varlen import attention_varlen, attention_varlen_backward
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward",
+__all__ = ["attention", "attention_backward", "attention_paged", "attention_varlen", "attention_varlen_backward",
            "BackendUnavailableError", "bfloat16", "BlockConfig", "BlockMask", "block_mask", "DeviceLimits", "merge",
            "mods"]
 __version__ = "0.1.0"

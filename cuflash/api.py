@@ -560,24 +560,25 @@ def check_window_side(side, name):
 # Output
 
 
-def output_for(problem, out, inputs):
+def output_for(problem, out, inputs, shape=None, name: str = NAME):
     """(array the backend writes, user's out or None). A scratch array stands in when out overlaps an input
-    or has another dtype, so the result is right either way."""
+    or has another dtype, so the result is right either way. shape: the result's (default the batch's (n, e);
+    the packed and paged calls' own layouts); name: the caller, as its errors begin."""
     xp = problem.xp
-    shape = problem.batch + (problem.n, problem.e)
+    shape = problem.batch + (problem.n, problem.e) if shape is None else tuple(shape)
     if out is None:
         return xp.empty(shape, dtype=problem.dtype), None
     refuse_masked_array(out, "out")
     if not isinstance(out, xp.ndarray):
-        raise TypeError(f"{NAME}: out must be a {xp.__name__}.ndarray like the inputs, got {type(out).__name__}")
+        raise TypeError(f"{name}: out must be a {xp.__name__}.ndarray like the inputs, got {type(out).__name__}")
     if tuple(out.shape) != shape:
-        raise ValueError(f"{NAME}: out has shape {tuple(out.shape)} but the result has shape {shape}")
+        raise ValueError(f"{name}: out has shape {tuple(out.shape)} but the result has shape {shape}")
     if not same_kind(problem.dtype, out.dtype):
         raise TypeError(
-            f"Cannot cast ufunc '{NAME}' output from {describe(problem.dtype)} to {describe(out.dtype)} "
+            f"Cannot cast ufunc '{name}' output from {describe(problem.dtype)} to {describe(out.dtype)} "
             f"with casting rule 'same_kind'")
     if xp is np and not out.flags.writeable:
-        raise ValueError(f"{NAME}: out is read-only")
+        raise ValueError(f"{name}: out is read-only")
     overlaps = any(x is not None and xp.may_share_memory(out, x) for x in inputs)
     if overlaps or out.dtype != problem.dtype:
         return xp.empty(shape, dtype=problem.dtype), out

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from . import blockmask, mods
+from .problem import Packed
 from .tiling import block_pair
 
 WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
@@ -40,6 +41,10 @@ def run(problem, out, lse, block=None):
     if packed_sequences(problem):
         for sub, (out_s, lse_s) in sequences(problem, ((out, "q"), (lse, "q"))):
             run(sub, out_s, lse_s, block)
+        return
+    if problem.paged is not None:
+        for b, sub in paged_sequences(problem):
+            run(sub, out[b:b + 1], None if lse is None else lse[b:b + 1], block)
         return
     patterns = Patterns(problem)
     for index, i0, i1, key_tiles in steps(problem, block):
@@ -70,6 +75,22 @@ def sequences(problem, arrays):
             batch=(1,) + problem.batch[1:], n=rows["q"][1] - rows["q"][0], m=rows["k"][1] - rows["k"][0],
             sinks=None if problem.sinks is None else problem.sinks[s:s + 1], packed=packed.one(s))
         yield sub, [view(x, side) for x, side in arrays]
+
+
+def paged_sequences(problem):
+    """Paged keys and values one sequence at a time: (b, the problem of sequence b alone, its keys and values
+    gathered from their pages; memory: one sequence's keys, never n x m)."""
+    paged, xp = problem.paged, problem.xp
+    for b, m in enumerate(paged.key_counts()):
+        shape = (1,) + problem.batch[1:]
+
+        def gathered(cache):
+            rows = paged.keys(cache, paged.block_table[b], m, xp)
+            return xp.broadcast_to(rows, shape + tuple(rows.shape[3:]))
+        yield b, dataclasses.replace(
+            problem, q=problem.q[b:b + 1], k=gathered(paged.k_cache), v=gathered(paged.v_cache), batch=shape, m=m,
+            sinks=None if problem.sinks is None else problem.sinks[b:b + 1], packed=Packed(None, None, 0, 0, b),
+            paged=None)
 
 
 def steps(problem, block, temps=TEMPS_PER_SCORE):

@@ -109,6 +109,48 @@ class Packed:
         return Packed(None, None, 0, 0, self.first + s)
 
 
+@dataclass(frozen=True)
+class Paged:
+    """Paged keys and values (attention_paged): key j of sequence b is row j % page_size of page
+    block_table[b, j // page_size] of the caches k_cache (num_pages, page_size, Hk, d) and v_cache (..., e). The
+    Problem's batch is then (B, Hk, G), n the new queries and m the longest sequence's keys (which only sizes the
+    launch); its k and v are views of the caches' page 0, (B, Hk, G, page_size, cols), stride 0 on the sequence
+    and group axes, from which the kernels walk the pages. block_table (B, pages) and seqlens (B,: the keys of each
+    sequence) are contiguous int64 arrays of the problem's module. splits: key splits forced (num_splits), or
+    None."""
+
+    block_table: Any
+    seqlens: Any
+    page_size: int
+    k_cache: Any
+    v_cache: Any
+    splits: Optional[int] = None
+
+    def page_stride(self, name: str) -> int:
+        """Elements from one page of the k ("k") or v ("v") cache to the next."""
+        cache = self.k_cache if name == "k" else self.v_cache
+        return cache.strides[0] // cache.dtype.itemsize
+
+    @staticmethod
+    def view(cache, batch: Tuple[int, int, int]):
+        """A cache's page 0 as the Problem's (B, Hk, G, page_size, cols) operand."""
+        s = cache.strides
+        shape = (batch[0], batch[1], batch[2], cache.shape[1], cache.shape[3])
+        return as_strided(cache, shape, (0, s[2], 0, s[1], s[3]))
+
+    def keys(self, cache, pages, m: int, xp):
+        """A sequence's first m keys (or values) gathered from its pages (its row of the table, in cache's
+        module): (1, Hk, 1, m, cols)."""
+        pages = pages[:-(-m // self.page_size)]
+        rows = cache[pages].reshape((-1,) + tuple(cache.shape[2:]))[:m]
+        return xp.moveaxis(rows, 0, 1)[None, :, None]
+
+    def key_counts(self) -> Tuple[int, ...]:
+        """Each sequence's keys on the host (a read back from a GPU)."""
+        counts = self.seqlens if isinstance(self.seqlens, np.ndarray) else self.seqlens.get()
+        return tuple(int(m) for m in counts)
+
+
 def as_strided(x, shape, strides):
     """A view of x's memory (NumPy's or CuPy's as_strided)."""
     if isinstance(x, np.ndarray):
@@ -137,7 +179,7 @@ class Problem:
         the tiles it shows and evaluate the pattern on its partial ones. mask_is_block_masks: mask is the array the
         block mask was made from (a tile it shows whole needs no look at it). score_mod_grads: the numbers of
         score_mod's float tables whose gradients the backward computes (attention_backward's score_mod_grads=).
-    packed: the packed sequences (Packed) or None.
+    packed: the packed sequences (Packed) or None. paged: the paged keys and values (Paged) or None.
     """
 
     q: Any
@@ -164,6 +206,7 @@ class Problem:
     mask_is_block_masks: bool = False
     score_mod_grads: Tuple[int, ...] = ()
     packed: Optional[Packed] = None
+    paged: Optional[Paged] = None
 
     @property
     def batch_size(self) -> int:
@@ -172,8 +215,10 @@ class Problem:
     @property
     def shape(self) -> Shape:
         """What the planner needs of this problem."""
+        paged = self.paged
         return Shape(self.dtype, self.d, self.e, self.n, self.m, self.batch_size, self.precision,
-                     packed=self.packed is not None and self.packed.cu_seqlens_q is not None)
+                     packed=self.packed is not None and self.packed.cu_seqlens_q is not None,
+                     paged=paged is not None, splits=None if paged is None else paged.splits)
 
     @property
     def empty(self) -> bool:

@@ -97,12 +97,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, /, *, max_seqlen_q: Op
         problem, layout = varlen_problem(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          scale, causal, window, score_mod, mask_mod, sinks, precision, (out,))
         runner = backends.get(backend, xp)
-        result, target = output_for(problem, layout, out, (q, k, v))
+        result, target = api.output_for(problem, out, (q, k, v), (layout.total_q, layout.heads, layout.e), NAME)
         lse = xp.empty((layout.total_q, layout.heads), dtype=problem.acc_dtype) if return_lse else None
         if not problem.empty:
             runner.run(problem, layout.queries(result), None if lse is None else layout.queries(lse), block=block)
         if target is not None and target is not result:
-            xp.copyto(target, result, casting="unsafe")  # same_kind was checked in output_for
+            xp.copyto(target, result, casting="unsafe")  # same_kind was checked in api.output_for
             result = target
         return (result, lse) if return_lse else result
 
@@ -147,8 +147,7 @@ def varlen_problem(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     api.check_bfloat16_support(xp, [dtype, q.dtype, k.dtype, v.dtype] +
                                [x.dtype for x in others if isinstance(x, xp.ndarray)])
     layout = make_layout(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    traced = {name: None if fn is None else mods.trace(fn, name.split("_")[0], 3, name, groups=layout.groups)
-              for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))}
+    traced = grouped_mods(score_mod, mask_mod, layout.groups)
     problem = Problem(
         q=layout.queries(q.astype(dtype, copy=False)), k=layout.keys(k.astype(dtype, copy=False), xp),
         v=layout.keys(v.astype(dtype, copy=False), xp), mask=None, bias=None,
@@ -156,7 +155,7 @@ def varlen_problem(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         dtype=dtype, acc_dtype=acc_dtype_of(dtype), scale=api.check_scale(scale, layout.d),
         window=api.visibility_window(window, causal), xp=xp, precision=check_precision(precision, dtype, NAME),
         score_mod=traced["score_mod"], mask_mod=traced["mask_mod"],
-        sinks=None if sinks is None else sinks_operand(xp, sinks, layout, dtype), packed=layout.packed())
+        sinks=None if sinks is None else head_sinks(xp, sinks, layout.batch, dtype, NAME), packed=layout.packed())
     return problem, layout
 
 
@@ -239,42 +238,29 @@ def max_length(given, longest: int, name: str) -> int:
     return int(given)
 
 
-def sinks_operand(xp, sinks, layout: Layout, dtype):
-    """sinks= as the Problem's (sequences, Hk, G) in the accumulation type, from (H,) or (sequences, H)."""
+def grouped_mods(score_mod, mask_mod, groups: int) -> dict:
+    """score_mod and mask_mod traced for a batch of (sequence, Hk, G), seen as (s, h, i, j) with the query head
+    h = hk * G + g (packed sequences and paged caches alike)."""
+    return {name: None if fn is None else mods.trace(fn, name.split("_")[0], 3, name, groups=groups)
+            for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod))}
+
+
+def head_sinks(xp, sinks, batch: Tuple[int, ...], dtype, name: str):
+    """sinks= as the Problem's batch (sequences, Hk, G) in the accumulation type, from one logit per query head,
+    (H,) or (sequences, H)."""
     sinks = api.as_array(sinks, xp, "sinks")
     if not (is_real_float(sinks.dtype) or sinks.dtype.kind in "iu"):
-        raise TypeError(f"{NAME}: sinks must be a real array (one logit per query head), got {describe(sinks.dtype)}")
-    wanted = (layout.sequences, layout.heads)
+        raise TypeError(f"{name}: sinks must be a real array (one logit per query head), got {describe(sinks.dtype)}")
+    wanted = (batch[0], batch[1] * batch[2])
     try:
         shape = np.broadcast_shapes(tuple(sinks.shape), wanted)
     except ValueError:
         shape = None
     if shape != wanted:
-        raise ValueError(f"{NAME}: sinks of shape {tuple(sinks.shape)} does not broadcast to (sequences, H) = "
+        raise ValueError(f"{name}: sinks of shape {tuple(sinks.shape)} does not broadcast to (sequences, H) = "
                          f"{wanted}; give one logit per query head, (H,) or (sequences, H)")
     full = xp.broadcast_to(sinks.astype(acc_dtype_of(dtype), copy=False), wanted)
-    return full.reshape(layout.batch)
-
-
-def output_for(problem, layout: Layout, out, inputs):
-    """(array the backend writes, user's out or None), as api.output_for with the packed (total_q, H, e)."""
-    xp = problem.xp
-    shape = (layout.total_q, layout.heads, layout.e)
-    if out is None:
-        return xp.empty(shape, dtype=problem.dtype), None
-    api.refuse_masked_array(out, "out")
-    if not isinstance(out, xp.ndarray):
-        raise TypeError(f"{NAME}: out must be a {xp.__name__}.ndarray like the inputs, got {type(out).__name__}")
-    if tuple(out.shape) != shape:
-        raise ValueError(f"{NAME}: out has shape {tuple(out.shape)} but the result has shape {shape}")
-    if not same_kind(problem.dtype, out.dtype):
-        raise TypeError(f"Cannot cast ufunc '{NAME}' output from {describe(problem.dtype)} to {describe(out.dtype)} "
-                        f"with casting rule 'same_kind'")
-    if xp is np and not out.flags.writeable:
-        raise ValueError(f"{NAME}: out is read-only")
-    if out.dtype != problem.dtype or any(xp.may_share_memory(out, x) for x in inputs):
-        return xp.empty(shape, dtype=problem.dtype), out
-    return out, out
+    return full.reshape(batch)
 
 
 def check_saved(layout: Layout, dout, out, lse):

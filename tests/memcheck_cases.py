@@ -166,6 +166,27 @@ def case_patterns():
     print("memcheck ok", flush=True)
 
 
+def case_sequences():
+    """Packed sequences (forward and backward, the kernels' own offsets: empty sequences, one longer than a tile)
+    and paged caches (pages of 3 rows and of 16, short last pages, an empty cache, forced key splits), CUDA cores
+    and tensor cores, with the tiles the patterns case compiles."""
+    from test_paged import paged_case
+    from test_varlen import packed
+    for dtype, block in [(np.float32, BlockConfig(16, 16, 2)), (np.float16, BlockConfig.mma(16, 16, 1, stages=2))]:
+        q, k, v, cu_q, cu_k = packed(3, [5, 0, 21, 3], [7, 4, 19, 0], (4, 2), 24, 24, dtype)
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="simt", block=block,
+                                            return_lse=True)
+        dout = randn(4, out.shape, dtype)
+        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, backend="simt",
+                                          block=block)
+        for size, splits in [(3, None), (16, 2)]:
+            q, k_cache, v_cache, table, cached, k_new, v_new = paged_case(5, size, [20, 0, 37], 2, 2, (4, 2), 24,
+                                                                          24, dtype, spare=0)
+            cuflash.attention_paged(q, k_cache, v_cache, table, cached, k_new=k_new, v_new=v_new, causal=True,
+                                    backend="simt", block=block, num_splits=splits)
+    print("memcheck ok", flush=True)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -181,6 +181,26 @@ def case_clean_patterns():
         raise AssertionError("reads past a captured array were not flagged")
 
 
+def case_clean_sequences():
+    """Packed sequences (forward and backward) and paged caches (short last pages, an empty cache, split keys),
+    CUDA cores and tensor cores."""
+    import cuflash
+    from cuflash import BlockConfig
+    from test_paged import paged_case
+    from test_varlen import packed
+    for dtype, block in ((np.float32, BlockConfig(16, 16, 2, stages=2)), (np.float16, BlockConfig.mma(16, 16, 1))):
+        q, k, v, cu_q, cu_k = packed(3, [5, 0, 21, 3], [7, 4, 19, 0], (4, 2), 24, 24, dtype)
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, backend="simt", block=block,
+                                            return_lse=True)
+        dout = np.ones(out.shape, dtype)
+        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, backend="simt",
+                                          block=block)
+        q, k_cache, v_cache, table, cached, k_new, v_new = paged_case(5, 3, [20, 0, 37], 2, 2, (4, 2), 24, 24,
+                                                                      dtype, spare=0)
+        cuflash.attention_paged(q, k_cache, v_cache, table, cached, k_new=k_new, v_new=v_new, causal=True,
+                                backend="simt", block=block, num_splits=2)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":
