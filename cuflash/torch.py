@@ -22,11 +22,11 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import api, mods
+from . import api, mods, varlen
 from .blockmask import BlockMask
 from .dtypes import bfloat16, common_dtype
 
-__all__ = ["attention", "register_with_transformers", "transformers_attention"]
+__all__ = ["attention", "attention_varlen", "register_with_transformers", "transformers_attention"]
 
 NAME = "cuflash.torch.attention"
 
@@ -48,7 +48,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     precision = api.check_precision(precision, None, NAME)  # refused here, traced or not; the dtype's rule in the op
     if score_mod is not None or mask_mod is not None or block_mask is not None or sinks is not None:
         patterns = (score_mod, mask_mod, block_mask)
-        out, lse = PatternAttention.apply(q, k, v, mask, bias, sinks, patterns,
+        out, lse = PatternAttention.apply(q, k, v, mask, bias, sinks, None, patterns,
                                           (scale, bool(causal), left, right, precision), *learnable(score_mod))
     else:
         out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right,
@@ -67,19 +67,25 @@ def learnable(score_mod) -> Tuple[torch.Tensor, ...]:
 
 
 class PatternAttention(torch.autograd.Function):
-    """attention with mods, sinks or a block mask: the front door forward and backward, by tensors' arrays."""
+    """attention with mods, sinks or a block mask, or attention_varlen with mods or sinks (packed: its offsets'
+    tensors and max lengths): the front door's forward and backward, by tensors' arrays."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, bias, sinks, patterns, params, *tables):
+    def forward(ctx, q, k, v, mask, bias, sinks, packed, patterns, params, *tables):
         scale, causal, left, right, precision = params
         keywords = dict(options(mask, bias, scale, causal, left, right, precision), score_mod=patterns[0],
                         mask_mod=patterns[1], block_mask=patterns[2], sinks=to_array(sinks))
         with on_stream(q.device):
-            out, lse = api.attention(to_array(q), to_array(k), to_array(v), return_lse=True, **keywords)
+            arrays = (to_array(q), to_array(k), to_array(v))
+            if packed is None:
+                out, lse = api.attention(*arrays, return_lse=True, **keywords)
+            else:
+                out, lse = varlen.attention_varlen(*arrays, *packed_arguments(packed), return_lse=True,
+                                                   **packed_keywords(keywords))
         out, lse = to_tensor(out, q.device), to_tensor(lse, q.device)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, mask, bias, sinks, out, lse)
-        ctx.keywords, ctx.tables = keywords, tables
+        ctx.keywords, ctx.tables, ctx.packed = keywords, tables, packed
         return out, lse
 
     @staticmethod
@@ -88,9 +94,13 @@ class PatternAttention(torch.autograd.Function):
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         keywords = dict(ctx.keywords, mask=to_array(mask), bias=to_array(bias), sinks=to_array(sinks))
         with on_stream(q.device):
-            grads = api.attention_backward(to_array(dout.contiguous()), to_array(q), to_array(k), to_array(v),
-                                           to_array(out), to_array(lse), bias_grad=bias_grad,
-                                           score_mod_grads=ctx.tables, **keywords)
+            arrays = (to_array(dout.contiguous()), to_array(q), to_array(k), to_array(v), to_array(out),
+                      to_array(lse))
+            if ctx.packed is None:
+                grads = api.attention_backward(*arrays, bias_grad=bias_grad, score_mod_grads=ctx.tables, **keywords)
+            else:
+                grads = varlen.attention_varlen_backward(*arrays, *packed_arguments(ctx.packed),
+                                                         **packed_keywords(keywords))
         grads = [to_tensor(g, q.device) for g in grads]
         dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
         dbias = grads[3].to(bias.dtype) if bias_grad else None
@@ -98,7 +108,58 @@ class PatternAttention(torch.autograd.Function):
         dtables = tuple(g.to(t.dtype) for g, t in zip(grads[len(grads) - len(tables):], tables))
         dsinks = grads[len(grads) - len(tables) - 1].to(sinks.dtype).reshape(sinks.shape) if sinks is not None \
             else None
-        return (dq, dk, dv, None, dbias, dsinks, None, None) + dtables
+        return (dq, dk, dv, None, dbias, dsinks, None, None, None) + dtables
+
+
+def packed_arguments(packed) -> tuple:
+    """attention_varlen's offsets (arrays of its tensors) from (cu_seqlens_q, cu_seqlens_k, max_q, max_k)."""
+    return to_array(packed[0]), to_array(packed[1])
+
+
+def packed_keywords(keywords: dict) -> dict:
+    """attention's keywords as attention_varlen takes them (it has no mask, bias or block mask)."""
+    return {name: value for name, value in keywords.items() if name not in ("mask", "bias", "block_mask")}
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q, cu_seqlens_k, *,
+                     max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                     scale: Optional[float] = None, causal: bool = False,
+                     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                     score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
+                     sinks: Optional[torch.Tensor] = None, return_lse: bool = False, precision: Optional[str] = None):
+    """cuflash.attention_varlen on torch tensors (FlashAttention's flash_attn_varlen_func layout): q (total_q, H,
+    d), k (total_k, Hk, d), v (total_k, Hk, e); cu_seqlens_q and cu_seqlens_k integer tensors (or sequences) of
+    sequences + 1 offsets. Differentiable in q, k, v and sinks (the backward is attention_varlen_backward, with
+    the same precision); lse is not. score_mod and mask_mod see (s, h, i, j) and may be written with torch's
+    operations; a tensor a score_mod closes over gets no gradient here (refused if it requires one). Returns out
+    (total_q, H, e), or (out, lse) with return_lse=True, lse (total_q, H)."""
+    left, right = (None, None) if window is None else window
+    scale = None if scale is None else float(scale)
+    precision = api.check_precision(precision, None, NAME)
+    cu_q, cu_k = (offsets_tensor(x, q.device, name) for x, name in ((cu_seqlens_q, "cu_seqlens_q"),
+                                                                      (cu_seqlens_k, "cu_seqlens_k")))
+    if score_mod is not None or mask_mod is not None or sinks is not None:
+        if learnable(score_mod):
+            raise ValueError(f"{NAME}_varlen: score_mod closes over tensors that require grad; their gradients are "
+                             f"attention's only (cuflash.torch.attention): detach them here")
+        packed = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+        params = (scale, bool(causal), left, right, precision)
+        out, lse = PatternAttention.apply(q, k, v, None, None, sinks, packed, (score_mod, mask_mod, None), params)
+    else:
+        out, lse = torch.ops.cuflash.attention_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale,
+                                                              bool(causal), left, right, precision)
+    return (out, lse) if return_lse else out
+
+
+def offsets_tensor(x, device: torch.device, name: str) -> torch.Tensor:
+    """Offsets as a tensor (a Python sequence or a NumPy array made one, on the operands' device); the front door
+    checks its values."""
+    if isinstance(x, torch.Tensor):
+        return x
+    array = np.asarray(x)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{NAME}_varlen: {name} must hold integers (sequence offsets), got {array.dtype}")
+    return torch.as_tensor(array.astype(np.int64), device=device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -128,6 +189,7 @@ class ModMask:
         self.mask_function, self.q_offset, self.kv_offset, self.shape = mask_function, q_offset, kv_offset, shape
         self.dtype = torch.bool
         self.device = torch.device("cpu")
+        self.packed = packed_sequence_ids(mask_function)
 
     def mask_mod(self):
         """The mask_mod of the attention's (batch, kv head, group, i, j) indices (transformers' masks have one
@@ -137,6 +199,35 @@ class ModMask:
         def transformers_mask_mod(b, kv_head, group, i, j):
             return fn(b, 0, i + q0, j + k0)
         return transformers_mask_mod
+
+    def packed_mask_mod(self, row: torch.Tensor, start: torch.Tensor):
+        """The mask_mod of attention_varlen's (sequence, head, i, j) for a batch whose rows hold packed sequences:
+        sequence s is row row[s] from position start[s] on (packing comes without a cache: no offsets)."""
+        fn = self.mask_function
+
+        def transformers_packed_mask_mod(s, h, i, j):
+            return fn(row[s], 0, start[s] + i, start[s] + j)
+        return transformers_packed_mask_mod
+
+
+def packed_sequence_ids(mask_function) -> Optional[torch.Tensor]:
+    """transformers' packed-sequence ids ((batch, n): one id per token, its sequence's) where its mask function
+    ANDs its packed-sequence mask in at the top, so that whatever else it says, tokens of different sequences never
+    see each other; else None."""
+    members = closure_value(mask_function, "mask_functions") or ()
+    for member in (mask_function,) + tuple(members):
+        ids = closure_value(member, "packed_sequence_mask")
+        if isinstance(ids, torch.Tensor):
+            return ids
+    return None
+
+
+def closure_value(fn, name: str):
+    """The value a function closes over under `name`, or None."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or cells is None or name not in code.co_freevars:
+        return None
+    return cells[code.co_freevars.index(name)].cell_contents
 
 
 def transformers_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -172,6 +263,10 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
         raise ValueError(f"{NAME}: attention dropout ({dropout}) is not supported; set the model's attention "
                          f"dropout to 0 or call model.eval()")
     n, heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
+    packing = packed_rows(query, key, attention_mask, position_bias, kwargs)
+    if packing is not None:
+        return packed_attention(module, query, key, value, attention_mask, packing, scaling, is_causal, softcap,
+                                s_aux, sliding_window), None
     modded = isinstance(attention_mask, ModMask)
     tensor_mask = None if modded else attention_mask
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -201,6 +296,54 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
                     mask_mod=attention_mask.mask_mod() if modded else None,
                     score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=sinks)
     return out.reshape(out.shape[0], heads, n, out.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def packed_rows(query, key, attention_mask, position_bias, kwargs):
+    """Where transformers hands over a packed batch (several sequences in each row of (batch, n) tokens), its
+    sequences as attention_varlen takes them: (cu_seqlens, longest, row, start), sequence s being tokens
+    start[s]... of row row[s] and rows cu_seqlens[s]:cu_seqlens[s + 1] of the flattened batch; else None. Told
+    by FlashAttention's keywords (cu_seq_lens_q/k, max_length_q/k), or by the packed-sequence ids transformers'
+    own mask function holds (position ids restarting within a row, with no cache and no padding mask)."""
+    batch, n, m = query.shape[0], query.shape[2], key.shape[2]
+    if position_bias is not None or not (attention_mask is None or isinstance(attention_mask, ModMask)) or n != m:
+        return None
+    given = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if given[0] is not None and given[1] is not None:
+        cu_q, cu_k = (x.to(torch.int64).reshape(-1) for x in given)
+        if not torch.equal(cu_q, cu_k) or int(cu_q[-1]) != batch * n:
+            raise ValueError(f"{NAME}: cu_seq_lens_q and cu_seq_lens_k must be the same offsets of the batch's "
+                             f"{batch} x {n} tokens (packed sequences attend within themselves)")
+        cu = cu_q.to(query.device)
+    elif isinstance(attention_mask, ModMask) and attention_mask.packed is not None:
+        ids = attention_mask.packed.expand(batch, n).to(query.device)
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        cu = torch.cat([starts.reshape(-1).nonzero().reshape(-1), torch.tensor([batch * n], device=ids.device)])
+    else:
+        return None
+    row = torch.div(cu[:-1], n, rounding_mode="floor")
+    return cu, int(torch.diff(cu).max()) if cu.numel() > 1 else 0, row, cu[:-1] - row * n
+
+
+def packed_attention(module, query, key, value, attention_mask, packing, scaling, is_causal, softcap, s_aux,
+                     sliding_window):
+    """transformers_attention on a packed batch: attention_varlen over the flattened tokens, each sequence within
+    itself; transformers' mask function (a ModMask), if any, as the mask_mod of (sequence, head, i, j) with the
+    sequence's row and start, else causal (and a sliding window) from the module. Returns (batch, n, heads, e)."""
+    cu, longest, row, start = packing
+    batch, heads, n = query.shape[:3]
+
+    def flat(x):  # (batch, heads, n, d) -> (batch * n, heads, d)
+        return x.transpose(1, 2).reshape(batch * x.shape[2], x.shape[1], x.shape[3])
+
+    modded = isinstance(attention_mask, ModMask)
+    causal = not modded and bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = (sliding_window - 1, 0) if sliding_window is not None and causal else None
+    out = attention_varlen(flat(query), flat(key), flat(value), cu, cu, max_seqlen_q=longest,
+                           max_seqlen_k=longest, scale=scaling, causal=causal, window=window,
+                           mask_mod=attention_mask.packed_mask_mod(row, start) if modded else None,
+                           score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=s_aux)
+    return out.reshape(batch, n, heads, out.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -308,6 +451,67 @@ def _(dout, q, k, v, out, lse, mask, bias, scale, causal, left, right, bias_grad
     dtype = torch_dtype(common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME))
     operands = (q, k, v) + ((bias,) if bias_grad else ())
     return [x.new_empty(x.shape, dtype=dtype) for x in operands]
+
+
+@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=())
+def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                             scale: Optional[float], causal: bool, left: Optional[int], right: Optional[int],
+                             precision: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    with on_stream(q.device):
+        out, lse = varlen.attention_varlen(to_array(q), to_array(k), to_array(v), to_array(cu_seqlens_q),
+                                           to_array(cu_seqlens_k), max_seqlen_q=max_seqlen_q,
+                                           max_seqlen_k=max_seqlen_k, return_lse=True,
+                                           **packed_keywords(options(None, None, scale, causal, left, right,
+                                                                     precision)))
+    return to_tensor(out, q.device), to_tensor(lse, q.device)
+
+
+@attention_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, precision=None):
+    dtype = common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME)
+    lse_dtype = torch.float64 if dtype == np.float64 else torch.float32
+    return (q.new_empty(tuple(q.shape[:2]) + (v.shape[-1],), dtype=torch_dtype(dtype)),
+            q.new_empty(tuple(q.shape[:2]), dtype=lse_dtype))
+
+
+@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
+                              scale: Optional[float], causal: bool, left: Optional[int], right: Optional[int],
+                              precision: Optional[str] = None) -> List[torch.Tensor]:
+    with on_stream(q.device):
+        grads = varlen.attention_varlen_backward(
+            to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out), to_array(lse),
+            to_array(cu_seqlens_q), to_array(cu_seqlens_k), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            **packed_keywords(options(None, None, scale, causal, left, right, precision)))
+    return [to_tensor(g, q.device) for g in grads]
+
+
+@attention_varlen_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right,
+      precision=None):
+    dtype = torch_dtype(common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME))
+    return [x.new_empty(x.shape, dtype=dtype) for x in (q, k, v)]
+
+
+def setup_varlen_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *params = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, *output)
+    ctx.params = params
+
+
+def varlen_backward(ctx, dout, _dlse):
+    q, k, v, cu_q, cu_k, out, lse = ctx.saved_tensors
+    grads = torch.ops.cuflash.attention_varlen_backward(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
+                                                        *ctx.params)
+    dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+    return (dq, dk, dv) + (None,) * (2 + len(ctx.params))
+
+
+attention_varlen_forward.register_autograd(varlen_backward, setup_context=setup_varlen_context)
 
 
 def setup_context(ctx, inputs, output):

@@ -184,6 +184,8 @@ def case_sequences():
                                                                           24, dtype, spare=0)
             cuflash.attention_paged(q, k_cache, v_cache, table, cached, k_new=k_new, v_new=v_new, causal=True,
                                     backend="simt", block=block, num_splits=splits)
+            # without a mask: full tiles in the steady loop, their rows found through the pages
+            cuflash.attention_paged(q, k_cache, v_cache, table, cached + 2, backend="simt", block=block)
     print("memcheck ok", flush=True)
 
 

@@ -198,17 +198,18 @@ def test_decoding_splits_the_keys_and_merges_them(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_into_pages_on_the_planners_tiles(backend):
-    """Many new queries appended to short caches (a prefill): the planner's tensor-core kernel walks pages of 8
-    rows (smaller than its key tiles) and of 64, causal."""
-    for size in (8, 64):
-        q, k_cache, v_cache, table, lengths, k_new, v_new = paged_case(5, size, [30, 0], 130, 130, (4, 2), 64, 64,
+    """Many new queries appended to caches (a prefill): the planner's tensor-core kernel walks pages of 8 rows
+    (smaller than its key tiles) and of 64, causal; and without a mask over a longer cache, whose full tiles run
+    in its steady loop (each row's page found by the unrolled copies)."""
+    for size, cached, causal in ((8, [30, 0], True), (64, [30, 0], True), (8, [300, 5], False)):
+        q, k_cache, v_cache, table, lengths, k_new, v_new = paged_case(5, size, cached, 130, 130, (4, 2), 64, 64,
                                                                        np.float16)
-        out, lse = run(backend, q, k_cache, v_cache, table, lengths, k_new, v_new, causal=True)
+        out, lse = run(backend, q, k_cache, v_cache, table, lengths, k_new, v_new, causal=causal)
         for b, c in enumerate(lengths):
             m = c + 130
             assert_accurate(grouped(out[b], 2), grouped(q[b], 2), keys_of(gathered(k_cache, table, b, m)),
                             keys_of(gathered(v_cache, table, b, m)), lse=grouped(lse[b][..., None], 2)[..., 0],
-                            causal=True)
+                            causal=causal)
 
 
 def test_a_decoding_loop_matches_attention_over_the_whole_history():

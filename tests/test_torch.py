@@ -302,3 +302,134 @@ def test_flex_attention_style_mods_and_sinks_train():
     (torch.softmax(scores.masked_fill(i < j, -float("inf")), -1) @ v).square().sum().backward()
     for g, x in zip(got, (q, k, v, table)):
         torch.testing.assert_close(g, x.grad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed sequences: cuflash.torch.attention_varlen, and transformers' packed batches
+
+
+def packed_tensors(lengths, heads=(4, 2), d=8, dtype=torch.float64, seed=0):
+    """(q, k, v, cu_seqlens) for sequences of these lengths (queries = keys), q (total, H, d), k and v (total, Hk,
+    d), cu_seqlens an int32 tensor (as FlashAttention's users hold them)."""
+    total = sum(lengths)
+    q, k, v = tensors([(total, heads[0], d), (total, heads[1], d), (total, heads[1], d)], dtype, seed)
+    return q, k, v, torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+
+
+def per_sequence(q, k, v, cu, **options):
+    """Each sequence alone through torch's own attention (grouped heads repeated; causal top-left, which is
+    bottom-right when queries and keys are as many), concatenated back: the reference."""
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for s in range(len(cu) - 1):
+        rows = slice(int(cu[s]), int(cu[s + 1]))
+        one = [x[rows].transpose(0, 1) for x in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(*one, **options).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def test_varlen_gradcheck_and_torch_compile():
+    """attention_varlen is differentiable (gradcheck in float64, an empty sequence among them) and torch.compile
+    traces its operators as opaque nodes."""
+    q, k, v, cu = packed_tensors([3, 0, 5, 2])
+    assert torch.autograd.gradcheck(lambda q, k, v: ct.attention_varlen(q, k, v, cu, cu, causal=True), (q, k, v))
+    compiled = torch.compile(lambda q, k, v: ct.attention_varlen(q, k, v, cu, cu, causal=True),
+                             backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), ct.attention_varlen(q, k, v, cu, cu, causal=True))
+
+
+def test_a_packed_training_step_matches_each_sequence_alone():
+    """Grouped-query heads over packed sequences, float32: outputs and gradients against torch's attention on each
+    sequence alone; lse with return_lse; the offsets as a list work too."""
+    q, k, v, cu = packed_tensors([7, 12, 1, 9], dtype=torch.float32, d=16)
+    out, lse = ct.attention_varlen(q, k, v, cu, cu.tolist(), causal=True, return_lse=True)
+    assert out.shape == (29, 4, 16) and lse.shape == (29, 4) and not lse.requires_grad
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    expected = per_sequence(q, k, v, cu, is_causal=True)
+    expected.backward(dout)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for g, x in zip(got, (q, k, v)):
+        torch.testing.assert_close(g, x.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_varlen_mods_and_sinks_train():
+    """A torch-written score_mod over (s, h, i, j) and learnable sinks on packed sequences: gradients by gradcheck;
+    a score_mod closing over a tensor that requires grad is refused, not silently left without its gradient."""
+    q, k, v, cu = packed_tensors([4, 6])
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    slopes = torch.linspace(0.1, 0.4, 4, dtype=torch.float64)
+
+    def alibi(score, s, h, i, j):
+        return score - slopes[h] * torch.abs(i - j)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, sinks: ct.attention_varlen(q, k, v, cu, cu, score_mod=alibi, sinks=sinks, causal=True),
+        (q, k, v, sinks))
+    slopes.requires_grad_(True)
+    with pytest.raises(ValueError, match="closes over tensors that require grad"):
+        ct.attention_varlen(q, k, v, cu, cu, score_mod=alibi)
+
+
+def test_varlen_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q, k = torch.empty(10, 4, 8, dtype=torch.float16), torch.empty(12, 2, 8, dtype=torch.float16)
+        cu = torch.empty(3, dtype=torch.int32)
+        out, lse = torch.ops.cuflash.attention_varlen_forward(q, k, k, cu, cu, None, None, None, False, None, None)
+        assert out.shape == (10, 4, 8) and out.dtype == torch.float16 and lse.shape == (10, 4)
+
+
+def packed_batch():
+    """Two rows of three packed sequences each (position ids restarting), and their offsets over the flattened
+    tokens."""
+    lengths = [5, 9, 3]
+    ids = torch.randint(0, 97, (2, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths * 2)]), dtype=torch.int32)
+    return ids, position_ids, cu
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    count = []
+    real = ct.attention_varlen
+
+    def counted(*args, **kwargs):
+        count.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ct, "attention_varlen", counted)
+    return count
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_packed_training_batches_of_transformers_models(model, varlen_calls):
+    """A packed batch (no padding, no cache: position ids restart within each row, as transformers' collators make
+    them) runs through attention_varlen, each sequence within itself, told by the packing transformers' own mask
+    function holds; and with FlashAttention's keywords (cu_seq_lens_q/k, max_length_q/k). Logits and every
+    parameter's gradient against transformers' eager attention; with a cache (generation) nothing is packed."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    config, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[model]
+    ours, reference = transformers_pair_eager(config, model_cls, vocab_size=97, hidden_size=64, intermediate_size=96,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64)
+    ids, position_ids, cu = packed_batch()
+    flash = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    results = []
+    for net, keywords in ((ours, {}), (ours, flash), (reference, {})):
+        net.train().zero_grad()
+        logits = net(input_ids=ids, position_ids=position_ids, use_cache=False, **keywords).logits
+        (logits ** 2).mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in net.parameters()]))
+    assert len(varlen_calls) == 4  # two layers, two calls of ours
+    for logits, grads in results[:2]:
+        torch.testing.assert_close(logits, results[2][0], rtol=1e-4, atol=1e-5)
+        for got, want in zip(grads, results[2][1]):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(input_ids=ids, position_ids=position_ids).logits,
+                                   reference.eval()(input_ids=ids, position_ids=position_ids).logits,
+                                   rtol=1e-4, atol=1e-5)
+    assert len(varlen_calls) == 4

@@ -199,6 +199,7 @@ def case_clean_sequences():
                                                                       dtype, spare=0)
         cuflash.attention_paged(q, k_cache, v_cache, table, cached, k_new=k_new, v_new=v_new, causal=True,
                                 backend="simt", block=block, num_splits=2)
+        cuflash.attention_paged(q, k_cache, v_cache, table, cached + 2, backend="simt", block=block)
 
 
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
