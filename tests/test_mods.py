@@ -347,6 +347,33 @@ def test_builtins_forward_and_backward_match_their_formulas(name, backend):
         assert_close(grad, tensor.grad.numpy(), np.float64, scale=100)
 
 
+def test_new_lengths_batch_shapes_and_contents_compile_no_kernel():
+    """A kernel is compiled once per expression, dtype and tiles: after the first call, new lengths, batch
+    shapes and captured arrays of new sizes and contents reach the same kernels (forward and backward)."""
+    from cuflash.backends import simt
+    rng = np.random.default_rng(12)
+    compiled = []
+    for batch, n, m in [((2, 4), 29, 29), ((3, 2), 40, 50), ((1, 4), 17, 61)]:
+        q, k, v = operands(rng, batch, n, m, 8)
+        ids = np.sort(rng.integers(0, 4, (batch[0], max(n, m))), axis=1)
+        slopes = rng.random(batch[1])
+        options = dict(mask_mod=mods.documents(ids), score_mod=mods.alibi(slopes), causal=True)
+        before = set(simt._functions)
+        out, lse = run("simt", q, k, v, **options)
+        dout = rng.standard_normal(out.shape)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", **options)
+        compiled.append(set(simt._functions) - before)
+        tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+        expected, expected_lse = dense_reference(
+            *tensors, causal=True, lib=torch, mask_mod=lambda b, h, i, j: ids[b, i] == ids[b, j],
+            score_mod=lambda s, b, h, i, j: s - torch.as_tensor(slopes)[h] * (i - j).abs())
+        expected.backward(torch.as_tensor(dout))
+        assert_close(out, expected.detach().numpy(), np.float64)
+        for grad, tensor in zip(grads, tensors):
+            assert_close(grad, tensor.grad.numpy(), np.float64, scale=100)
+    assert compiled[1:] == [set(), set()]
+
+
 def test_alibi_equals_its_bias_and_slopes_follow_the_paper():
     np.testing.assert_allclose(mods.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
     assert mods.alibi_slopes(6).tolist() == [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]
