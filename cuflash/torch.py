@@ -122,20 +122,24 @@ def register_with_transformers(name: str = "cuattention") -> str:
 
 class ModMask:
     """What transformers_mask hands the attention instead of a (batch, 1, n, m) mask: transformers' mask function
-    of (batch, head, query position, key position) and the positions of the call's first query and key."""
+    of (batch, head, query position, key position) and the positions of the call's first query and key, as an
+    int64 tensor on the call's device (offsets)."""
 
-    def __init__(self, mask_function, q_offset: int, kv_offset: int, shape):
+    def __init__(self, mask_function, q_offset: int, kv_offset: int, shape, device=None):
         self.mask_function, self.q_offset, self.kv_offset, self.shape = mask_function, q_offset, kv_offset, shape
+        # A tensor the mod reads, not numbers in it: a new offset per generated token keeps the expression, so no
+        # kernel is compiled again; made once per model call, every layer reads it where it is.
+        self.offsets = torch.tensor([q_offset, kv_offset], dtype=torch.int64, device=device)
         self.dtype = torch.bool
         self.device = torch.device("cpu")
 
     def mask_mod(self):
         """The mask_mod of the attention's (batch, kv head, group, i, j) indices (transformers' masks have one
         head: index 0; their positions start at the offsets)."""
-        fn, q0, k0 = self.mask_function, self.q_offset, self.kv_offset
+        fn, offsets = self.mask_function, self.offsets
 
         def transformers_mask_mod(b, kv_head, group, i, j):
-            return fn(b, 0, i + q0, j + k0)
+            return fn(b, 0, i + offsets[0], j + offsets[1])
         return transformers_mask_mod
 
 
@@ -155,7 +159,7 @@ def transformers_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     function = mask_function or mu.causal_mask_function
     if padding is not None:
         function = mu.and_masks(function, mu.padding_mask_function(padding.bool()))
-    return ModMask(function, q_offset, kv_offset, (batch_size, 1, q_length, kv_length))
+    return ModMask(function, q_offset, kv_offset, (batch_size, 1, q_length, kv_length), kwargs.get("device"))
 
 
 def transformers_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
