@@ -12,6 +12,7 @@ error, and a launch on a device other than the arrays' fails (on a GPU it would 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 import time
@@ -435,9 +436,23 @@ def emulator_options(options):
 
 
 def kernel_file(code):
-    """The kernel file whose assembled source `code` is (the name the simt backend builds it under)."""
+    """The kernel file whose assembled source `code` is, with the mods it carries (the name the simt backend
+    builds it under)."""
+    mods_text = generated_mods(code)
     return next((name for name in ("forward.cuh", "forward_mma.cuh", "backward.cuh", "backward_mma.cuh")
-                 if kernels.source(name) == code), "cuflash.cu")
+                 if kernels.source(name, mods_text) == code), "cuflash.cu")
+
+
+def generated_mods(code):
+    """The CUDA of the mods kernels.source placed in `code` ("" for none): its lines after their #line marker,
+    up to the next #line."""
+    lines = code.split("\n")
+    marker = '#line 1 "generated mods (cuflash/kernels/mods.py)"'
+    if marker not in lines:
+        return ""
+    start = lines.index(marker) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("#line "))
+    return "\n".join(lines[start:end])
 
 
 class RawModule:
@@ -491,12 +506,13 @@ def make_shim():
     return shim
 
 
-@pytest.fixture
-def cupy(monkeypatch):
+@contextlib.contextmanager
+def installed(monkeypatch):
+    """The stand-in as `cupy` while the context lasts (monkeypatch undoes it), with the caches of the real CuPy's
+    objects emptied: compiled functions, device limits, resident tables and the bfloat16 probe."""
     shim = make_shim()
     monkeypatch.setitem(sys.modules, "cupy", shim)
     monkeypatch.setitem(sys.modules, "cupy.cuda", shim.cuda)
-    # What caches the real CuPy's objects: compiled functions and device limits, and the bfloat16 probe.
     monkeypatch.setattr(cupy_backend, "_functions", {})
     monkeypatch.setattr(cupy_backend, "_limits", {})
     monkeypatch.setattr(launch, "_resident", {})
@@ -505,8 +521,23 @@ def cupy(monkeypatch):
     monkeypatch.setattr(_State, "current", 0)
     monkeypatch.setattr(_State, "bfloat16", True)
     monkeypatch.setattr(_State, "launches", [])
-    yield shim
-    api.cupy_bfloat16_problem.cache_clear()
+    try:
+        yield shim
+    finally:
+        api.cupy_bfloat16_problem.cache_clear()
+
+
+@contextlib.contextmanager
+def stand_in():
+    """installed() for a block of code (another test file's, or one hypothesis example's)."""
+    with pytest.MonkeyPatch.context() as monkeypatch, installed(monkeypatch) as shim:
+        yield shim
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    with installed(monkeypatch) as shim:
+        yield shim
 
 
 # ----------------------------------------------------------------------------------------------------------------
