@@ -133,9 +133,11 @@ class ModMask:
         self.dtype = torch.bool
         self.device = torch.device("cpu")
 
-    def mask_mod(self):
+    def mask_mod(self, device=None):
         """The mask_mod of the attention's (batch, kv head, group, i, j) indices (transformers' masks have one
-        head: index 0; their positions start at the offsets)."""
+        head: index 0; their positions start at the offsets), its offsets on `device` (the query's)."""
+        if device is not None and self.offsets.device != device:
+            self.offsets = self.offsets.to(device)  # once (a mask interface told no device): layers share it
         fn, offsets = self.mask_function, self.offsets
 
         def transformers_mask_mod(b, kv_head, group, i, j):
@@ -202,7 +204,7 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
     sinks = None if s_aux is None else s_aux.reshape(kv_heads, groups)
     out = attention(grouped, key.unsqueeze(2), value.unsqueeze(2), scale=scaling, causal=causal, window=window,
                     mask=per_group(mask), bias=per_group(bias),
-                    mask_mod=attention_mask.mask_mod() if modded else None,
+                    mask_mod=attention_mask.mask_mod(query.device) if modded else None,
                     score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=sinks)
     return out.reshape(out.shape[0], heads, n, out.shape[-1]).transpose(1, 2).contiguous(), None
 
