@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The one script to run on a machine with a CUDA GPU: the environment, the GPU tests, the PTX hardware check,
-# the demo, a short benchmark sweep, the backward beside torch's, ncu's DRAM bytes beside the model, and ncu's
-# shared-memory wavefronts, bank conflicts, global sectors and barriers beside the emulator's profile of the same
-# forward kernels (n = m = 128, d = 64). Each step has a time limit and the whole stays under 8 minutes; a failing
-# step does not stop the others.
+# the patterns' GPU tests (mods, block masks, sinks), the demo, a short benchmark sweep, the backward beside
+# torch's, the patterns as functions beside dense arrays (bench.patterns on CuPy arrays), ncu's DRAM bytes beside
+# the model, and ncu's shared-memory wavefronts, bank conflicts, global sectors and barriers beside the emulator's
+# profile of the same forward kernels (n = m = 128, d = 64). Each step has a time limit and the whole stays under
+# 10 minutes; a failing step does not stop the others.
 #
 #   bench/device_check.sh [DIR]             # everything into DIR (default bench/results/gpu, rewritten in place)
 #   bench/device_check.sh --dry-run [DIR]   # print the steps and their limits, run nothing
 #
 # DIR/summary.md lists each step's exit code, seconds and log (124: it ran out of time). The script installs
 # nothing and needs no network: cuflash runs from this checkout through PYTHONPATH. PYTHON picks the
-# interpreter (default python3); DEVICE_CHECK_BUDGET_S the total seconds (default 475). Without a GPU it
+# interpreter (default python3); DEVICE_CHECK_BUDGET_S the total seconds (default 595). Without a GPU it
 # stops with exit code 2, unless DEVICE_CHECK_ANYWAY=1 (to try this script itself on a CPU).
 set -u
 
@@ -25,7 +26,7 @@ esac
 DIR=${1:-$REPO/bench/results/gpu}
 case $DIR in /*) ;; *) DIR=$ORIG/$DIR ;; esac
 PY=${PYTHON:-python3}
-BUDGET=${DEVICE_CHECK_BUDGET_S:-475}
+BUDGET=${DEVICE_CHECK_BUDGET_S:-595}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 HARDWARE_TEST=tests/simt/test_hardware.py
 
@@ -42,7 +43,7 @@ record() {  # record STEP EXIT SECONDS NOTE
 
 step() {  # step NAME SECONDS COMMAND...: run it with a time limit, log to DIR/NAME.log, record its exit code
     local name=$1 limit=$2; shift 2
-    if [ "$DRY" = 1 ]; then printf '  %-9s %4ss  %s\n' "$name" "$limit" "$*"; return; fi
+    if [ "$DRY" = 1 ]; then printf '  %-14s %4ss  %s\n' "$name" "$limit" "$*"; return; fi
     local left=$((BUDGET - SECONDS))
     if [ "$left" -lt 20 ]; then record "$name" - 0 "skipped: the ${BUDGET} s budget is spent"; return; fi
     [ "$limit" -gt "$left" ] && limit=$left
@@ -122,9 +123,13 @@ steps() {
     else
         record tests-ptx - 0 "skipped: $HARDWARE_TEST does not exist yet"
     fi
+    # the patterns' GPU tests again on their own: they run even where the whole GPU suite ran out of its time
+    step tests-patterns 45 "$PY" -m pytest "${PYTEST_ARGS[@]}" -k "mod or pattern or block_mask or sink" \
+        --junitxml="$DIR/tests-patterns.xml" tests
     step demo 30 "$PY" -m cuflash
     step sweep 95 "$PY" -m bench.attention --preset short --time-limit 60 --out "$DIR/sweep"
     step backward 60 "$PY" -m bench.backward --gpu --repeats 5 --out "$DIR/backward"
+    step patterns 75 "$PY" -m bench.patterns --backend cupy --dtype float16 --n 4096 --out "$DIR/patterns"
     step ncu 70 "$PY" -m bench.attention --ncu --ncu-timeout 30 --out "$DIR/ncu"
     if command -v ncu >/dev/null 2>&1 || [ "$DRY" = 1 ]; then
         step profile 50 "$PY" -m bench.emulator_profile --ncu "$DIR/profile" --ncu-timeout 30

@@ -79,8 +79,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
     mask_mod: a function mask_mod(*idx, i, j) -> bool, ANDed with mask=, causal= and window=: key j is seen by
         query i only where it is True. Both are traced once per call into an expression (cuflash.mods).
     block_mask: a cuflash.BlockMask (cuflash.block_mask) of the call's mask_mod or mask: only the tiles it shows
-        are computed, and the pattern is evaluated only on the tiles it shows in part. Without one, a mask_mod on
-        NumPy arrays gets one made and kept (by its expression, the sizes and the contents of its arrays).
+        are computed, and the pattern is evaluated only on the tiles it shows in part. Without one, a mask_mod
+        gets one made and kept (by its expression, the sizes and the contents of its arrays; for CuPy arrays made
+        on their device).
     sinks: real array broadcastable to (*batch,): one logit per batch item that joins every row's softmax
         denominator and carries no value (attention sinks); lse includes it.
     out: array of exactly the result's shape; the result is cast to its dtype with same-kind casting.
@@ -289,12 +290,12 @@ def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), prec
 
 def call_block_mask(patterns, fields, batch, n, m, xp):
     """The call's BlockMask: block_mask= checked against the call (its mask_mod taken when mask_mod= is not
-    given), or one made and kept for mask_mod= on NumPy arrays, or None."""
+    given), or one made and kept for mask_mod= (with CuPy arrays made on their device), or None."""
     given = patterns.block_mask
     if given is None:
-        if fields["mask_mod"] is None or xp is not np:
+        if fields["mask_mod"] is None:
             return None
-        return blockmask.for_mod(fields["mask_mod"], batch, n, m)
+        return blockmask.for_mod(fields["mask_mod"], batch, n, m, xp=xp)
     if not isinstance(given, BlockMask):
         raise TypeError(f"{NAME}: block_mask must be a cuflash.BlockMask (made by cuflash.block_mask), got "
                         f"{type(given).__name__}")
@@ -324,7 +325,7 @@ def block_masks_mask(patterns, mask):
 
 def pattern_fields(patterns, batch, n, m, dtype, xp):
     """The Problem's score_mod, mask_mod (traced for the batch's axes), sinks (broadcast to the batch, in the
-    accumulation type) and block mask (checked against the call, or made for a mask_mod on NumPy arrays)."""
+    accumulation type) and block mask (checked against the call, or made for a mask_mod)."""
     if patterns is None:
         return {}
     fields = {name: None if fn is None else mods.trace(fn, name.split("_")[0], len(batch))

@@ -296,25 +296,33 @@ _cache: "collections.OrderedDict[Any, BlockMask]" = collections.OrderedDict()
 CACHE_SIZE = 16
 
 
-def for_mod(traced, batch, n, m, block=DEFAULT_BLOCK) -> BlockMask:
-    """The block mask of a traced mask_mod for a call, kept by its expression, the call's sizes and the bytes of
-    the arrays it reads (new contents make a new one)."""
+def for_mod(traced, batch, n, m, block=DEFAULT_BLOCK, xp=np) -> BlockMask:
+    """The block mask of a traced mask_mod for a call, kept by its expression, the call's sizes, the bytes of the
+    arrays it reads (new contents make a new one) and, with CuPy (xp), the current device, where it is made."""
     digest = hashlib.blake2b(digest_size=16)
     for a in traced.arrays:
-        a = mods.as_module_array(a, np)
+        a = _host_copy(a)
         digest.update(f"{a.dtype}{a.shape}".encode())
         digest.update(np.ascontiguousarray(a).tobytes())
-    key = (traced.key, tuple(batch), n, m, tuple(block), digest.hexdigest())
+    device = None if xp is np else xp.cuda.Device().id
+    key = (traced.key, tuple(batch), n, m, tuple(block), digest.hexdigest(), device)
     found = _cache.get(key)
     if found is not None:
         _cache.move_to_end(key)
         return found
     own = tuple(size if axis in traced.batch_axes else 1 for axis, size in enumerate(batch))
-    made = _from_mod(traced, own, n, m, block[0], block[1], None)
+    made = _from_mod(traced, own, n, m, block[0], block[1], None, xp)
     _cache[key] = made
     if len(_cache) > CACHE_SIZE:
         _cache.popitem(last=False)
     return made
+
+
+def _host_copy(array):
+    """A captured array's contents on the host (a CuPy array's read back from its device)."""
+    if _module_of(array) is not np:
+        return _module_of(array).asnumpy(array)
+    return mods.as_module_array(array, np)
 
 
 def entries(mask: BlockMask, batch) -> Iterator[Tuple[Tuple[int, ...], Tuple[Any, ...]]]:

@@ -137,14 +137,15 @@ class Patterns:
 
 
 def shifted(fn, takes_score, block_starts, i0, j0):
-    """fn of a chunk pair's local indices, calling it with the global ones (offsets of 0 left out, so that
-    chunks at the origin trace the function's own expression)."""
+    """fn of a chunk pair's local indices, calling it with the global ones. The offsets are an array the mod
+    reads, not numbers in it: every chunk pair traces one expression, so the kernels compile once per graph's
+    mod, not once per chunk pair."""
     if fn is None:
         return None
-    starts = tuple(block_starts) + (i0, j0)
+    starts = np.array(tuple(block_starts) + (i0, j0), dtype=np.int64)
 
     def move(idx):
-        return tuple(x if start == 0 else x + start for x, start in zip(idx, starts))
+        return tuple(x + starts[axis] for axis, x in enumerate(idx))
     if takes_score:
         return lambda score, *idx: fn(score, *move(idx))
     return lambda *idx: fn(*move(idx))

@@ -183,21 +183,27 @@ def register_with_transformers(name: str = "cuattention") -> str:
 
 class ModMask:
     """What transformers_mask hands the attention instead of a (batch, 1, n, m) mask: transformers' mask function
-    of (batch, head, query position, key position) and the positions of the call's first query and key."""
+    of (batch, head, query position, key position) and the positions of the call's first query and key, as an
+    int64 tensor on the call's device (offsets)."""
 
-    def __init__(self, mask_function, q_offset: int, kv_offset: int, shape):
+    def __init__(self, mask_function, q_offset: int, kv_offset: int, shape, device=None):
         self.mask_function, self.q_offset, self.kv_offset, self.shape = mask_function, q_offset, kv_offset, shape
+        # A tensor the mod reads, not numbers in it: a new offset per generated token keeps the expression, so no
+        # kernel is compiled again; made once per model call, every layer reads it where it is.
+        self.offsets = torch.tensor([q_offset, kv_offset], dtype=torch.int64, device=device)
         self.dtype = torch.bool
         self.device = torch.device("cpu")
         self.packed = packed_sequence_ids(mask_function)
 
-    def mask_mod(self):
+    def mask_mod(self, device=None):
         """The mask_mod of the attention's (batch, kv head, group, i, j) indices (transformers' masks have one
-        head: index 0; their positions start at the offsets)."""
-        fn, q0, k0 = self.mask_function, self.q_offset, self.kv_offset
+        head: index 0; their positions start at the offsets), its offsets on `device` (the query's)."""
+        if device is not None and self.offsets.device != device:
+            self.offsets = self.offsets.to(device)  # once (a mask interface told no device): layers share it
+        fn, offsets = self.mask_function, self.offsets
 
         def transformers_mask_mod(b, kv_head, group, i, j):
-            return fn(b, 0, i + q0, j + k0)
+            return fn(b, 0, i + offsets[0], j + offsets[1])
         return transformers_mask_mod
 
     def packed_mask_mod(self, row: torch.Tensor, start: torch.Tensor):
@@ -246,7 +252,7 @@ def transformers_mask(batch_size: int, q_length: int, kv_length: int, q_offset: 
     function = mask_function or mu.causal_mask_function
     if padding is not None:
         function = mu.and_masks(function, mu.padding_mask_function(padding.bool()))
-    return ModMask(function, q_offset, kv_offset, (batch_size, 1, q_length, kv_length))
+    return ModMask(function, q_offset, kv_offset, (batch_size, 1, q_length, kv_length), kwargs.get("device"))
 
 
 def transformers_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -293,7 +299,7 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
     sinks = None if s_aux is None else s_aux.reshape(kv_heads, groups)
     out = attention(grouped, key.unsqueeze(2), value.unsqueeze(2), scale=scaling, causal=causal, window=window,
                     mask=per_group(mask), bias=per_group(bias),
-                    mask_mod=attention_mask.mask_mod() if modded else None,
+                    mask_mod=attention_mask.mask_mod(query.device) if modded else None,
                     score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=sinks)
     return out.reshape(out.shape[0], heads, n, out.shape[-1]).transpose(1, 2).contiguous(), None
 

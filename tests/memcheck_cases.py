@@ -141,14 +141,18 @@ def case_backward():
 
 def case_patterns():
     """The kernels with mods compiled in (a score_mod and mask_mod reading captured arrays, sinks) and a block
-    mask's visits, forward and backward, CUDA cores and tensor cores, with tails in both tiles; and a mod that
-    indexes past its array, which the kernels flag without reading there."""
-    from cuflash import mods
+    mask's visits over hidden, partial and whole tiles (a whole one inside the causal band and one across it),
+    forward and backward, CUDA cores and tensor cores, with tails in both tiles; and a score_mod that indexes
+    past its array, which the kernels flag without reading there (a mask_mod's is found building its block mask,
+    before any kernel)."""
+    from cuflash import blockmask, mods
     rng = np.random.default_rng(9)
-    ids = np.sort(rng.integers(0, 3, 45))
-    pattern = mods.and_masks(mods.documents(ids), lambda b, h, i, j: (i + j) % 5 != 0)
+    ids = np.repeat([0, 1, 2], [32, 6, 7])  # 3 documents over 45 keys: 16 x 16 tiles of every kind
+    pattern = mods.and_masks(mods.documents(ids), lambda b, h, i, j: (i + j) % 5 != 0)  # every shown tile partial
     score_mod = mods.alibi(rng.random(2))
-    made = cuflash.block_mask(pattern, (1, 2), 37, 45, block=(16, 16))
+    made = cuflash.block_mask(mods.documents(ids), (1, 2), 37, 45, block=(16, 16))
+    assert [int((made.kinds == kind).sum()) for kind in (blockmask.FULL, blockmask.PARTIAL, blockmask.HIDDEN)] == \
+        [4, 1, 4], made
     for dtype, block in [(np.float32, BlockConfig(16, 16, 2)), (np.float16, BlockConfig.mma(16, 16, 1, stages=2))]:
         q, k, v = (randn(rng, (1, 2, length, 24), dtype) for length in (37, 45, 45))
         sinks = randn(rng, (2,), np.float32)
@@ -158,7 +162,7 @@ def case_patterns():
             dout = randn(rng, out.shape, dtype)
             cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend="simt", block=block, **options)
     try:
-        cuflash.attention(q, k, v, mask_mod=lambda b, h, i, j: ids[i + 10] < 2, backend="simt")
+        cuflash.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + ids[i + 10], backend="simt", block=block)
     except IndexError:
         pass
     else:

@@ -10,6 +10,7 @@ def test_tiny_run_records_every_pattern(tmp_path):
     assert patterns.main(["--tiny", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["schema"] == patterns.SCHEMA
+    assert report["backend"] == "numpy" and report["timing"] == patterns.TIMING["numpy"]
     names = [r["name"] for r in report["records"]]
     assert names == list(patterns.patterns(256, tiny=True))
     for r in report["records"]:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import blockmask, mods
+from cuflash import blocked, blockmask, mods
 
 from harness import run_under_memcheck
 from reference import assert_accurate, assert_grads_accurate
@@ -149,12 +149,12 @@ def test_hidden_tiles_are_never_computed(monkeypatch):
     q, k, v = (rng.standard_normal((2, 64, 8)) for _ in range(3))
     made = cuflash.block_mask(mods.documents(ids), (2,), 64, 64, block=(16, 16))
     seen = []
-    real = cuflash.blocked.tile_scores
+    real = blocked.tile_scores
 
     def counting(problem, patterns, index, q_i, i0, i1, j0, j1, *args, **kwargs):
         seen.append((index, i0, i1, j0, j1))
         return real(problem, patterns, index, q_i, i0, i1, j0, j1, *args, **kwargs)
-    monkeypatch.setattr(cuflash.blocked, "tile_scores", counting)
+    monkeypatch.setattr(blocked, "tile_scores", counting)
     cuflash.attention(q, k, v, block_mask=made)
     keys = sum((i1 - i0) * (j1 - j0) for _, i0, i1, j0, j1 in seen)
     assert keys == 16 * 16 * int(made.to_dense().sum())

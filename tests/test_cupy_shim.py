@@ -12,6 +12,7 @@ error, and a launch on a device other than the arrays' fails (on a GPU it would 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 import time
@@ -23,7 +24,7 @@ import pytest
 
 import cuflash
 import cuflash.simt
-from cuflash import api, kernels, launch, tiling
+from cuflash import api, blockmask, kernels, launch, mods, tiling
 from cuflash.backends import cupy as cupy_backend
 from harness import check_case
 from reference import assert_accurate
@@ -166,6 +167,12 @@ class ndarray:
     def all(self, axis=None, out=None, keepdims=False):
         return self._wrap(np.asarray(self._a.all(axis=axis, keepdims=keepdims)))
 
+    def ravel(self, order="C"):
+        return self._wrap(self._a.ravel(order=order))
+
+    def any(self, axis=None, out=None, keepdims=False):
+        return self._wrap(np.asarray(self._a.any(axis=axis, keepdims=keepdims)))
+
     def tolist(self):
         return self._a.tolist()
 
@@ -203,7 +210,7 @@ def _joined(function, arrays, axis):
     return arrays[0]._wrap(function([x._a for x in arrays], axis=axis))
 
 
-for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge", "and_"):
+for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_"):
     _op = getattr(operator, _name)
     setattr(ndarray, f"__{_name.rstrip('_')}__", _elementwise(_op))
     if _name in ("add", "sub", "mul", "truediv"):
@@ -287,6 +294,10 @@ def copyto(dst, src, casting="same_kind", where=None):
     _bf16_check(src.dtype)
     _same_device(dst, src)
     np.copyto(dst._a, src._a, casting=casting)
+
+
+def pad(array, pad_width, mode="constant", **kwargs):
+    return array._wrap(np.pad(array._a, pad_width, mode=mode, **kwargs))
 
 
 def as_strided(x, shape=None, strides=None):
@@ -425,9 +436,23 @@ def emulator_options(options):
 
 
 def kernel_file(code):
-    """The kernel file whose assembled source `code` is (the name the simt backend builds it under)."""
+    """The kernel file whose assembled source `code` is, with the mods it carries (the name the simt backend
+    builds it under)."""
+    mods_text = generated_mods(code)
     return next((name for name in ("forward.cuh", "forward_mma.cuh", "backward.cuh", "backward_mma.cuh")
-                 if kernels.source(name) == code), "cuflash.cu")
+                 if kernels.source(name, mods_text) == code), "cuflash.cu")
+
+
+def generated_mods(code):
+    """The CUDA of the mods kernels.source placed in `code` ("" for none): its lines after their #line marker,
+    up to the next #line."""
+    lines = code.split("\n")
+    marker = '#line 1 "generated mods (cuflash/kernels/mods.py)"'
+    if marker not in lines:
+        return ""
+    start = lines.index(marker) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("#line "))
+    return "\n".join(lines[start:end])
 
 
 class RawModule:
@@ -454,9 +479,11 @@ def make_shim():
     shim = types.ModuleType("cupy")
     shim.__version__ = "14.2.0"
     for name in ("ndarray", "asarray", "asnumpy", "empty", "zeros", "broadcast_to", "ascontiguousarray",
-                 "may_share_memory", "copyto", "RawModule", "RawKernel"):
+                 "may_share_memory", "copyto", "pad", "RawModule", "RawKernel"):
         setattr(shim, name, globals()[name])
     for name in ("where", "exp", "log", "isfinite", "matmul"):
+        setattr(shim, name, _elementwise(getattr(np, name)))
+    for name in sorted(mods.UNARY | mods.BINARY | {"divide", "trunc"}):  # CuPy's ufuncs a mod is evaluated with
         setattr(shim, name, _elementwise(getattr(np, name)))
     shim.swapaxes = lambda x, a, b: x._wrap(np.swapaxes(x._a, a, b))
     for name in ("minimum", "searchsorted", "cumsum"):
@@ -479,12 +506,13 @@ def make_shim():
     return shim
 
 
-@pytest.fixture
-def cupy(monkeypatch):
+@contextlib.contextmanager
+def installed(monkeypatch):
+    """The stand-in as `cupy` while the context lasts (monkeypatch undoes it), with the caches of the real CuPy's
+    objects emptied: compiled functions, device limits, resident tables and the bfloat16 probe."""
     shim = make_shim()
     monkeypatch.setitem(sys.modules, "cupy", shim)
     monkeypatch.setitem(sys.modules, "cupy.cuda", shim.cuda)
-    # What caches the real CuPy's objects: compiled functions and device limits, and the bfloat16 probe.
     monkeypatch.setattr(cupy_backend, "_functions", {})
     monkeypatch.setattr(cupy_backend, "_limits", {})
     monkeypatch.setattr(launch, "_resident", {})
@@ -493,8 +521,23 @@ def cupy(monkeypatch):
     monkeypatch.setattr(_State, "current", 0)
     monkeypatch.setattr(_State, "bfloat16", True)
     monkeypatch.setattr(_State, "launches", [])
-    yield shim
-    api.cupy_bfloat16_problem.cache_clear()
+    try:
+        yield shim
+    finally:
+        api.cupy_bfloat16_problem.cache_clear()
+
+
+@contextlib.contextmanager
+def stand_in():
+    """installed() for a block of code (another test file's, or one hypothesis example's)."""
+    with pytest.MonkeyPatch.context() as monkeypatch, installed(monkeypatch) as shim:
+        yield shim
+
+
+@pytest.fixture
+def cupy(monkeypatch):
+    with installed(monkeypatch) as shim:
+        yield shim
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -737,8 +780,7 @@ def test_backward_on_cupy_arrays_bit_for_bit(cupy, d, twin):
 def test_patterns_through_the_kernels_on_cupy_arrays(cupy):
     """Mods closing over host arrays (read as device tables), device sinks and a block mask: the cupy backend runs
     the same kernels as the simt backend, forward and backward, with the same bits; a read past a captured array
-    is its IndexError."""
-    from cuflash import mods
+    is its IndexError (a score_mod's flagged by the kernels, a mask_mod's found building its block mask)."""
     rng = np.random.default_rng(31)
     q, k, v = (rng.standard_normal((2, 3, length, 16)).astype(np.float16) for length in (40, 56, 56))
     ids, slopes = np.sort(rng.integers(0, 3, 56)), rng.random(3)
@@ -756,8 +798,41 @@ def test_patterns_through_the_kernels_on_cupy_arrays(cupy):
     assert kernels == {"cuflash::fwd_mma", "cuflash::bwd_mma_dq", "cuflash::bwd_mma_dkdv"}
     for a, b in zip((got, got_lse) + got_grads, (out, lse) + grads):
         assert a.get().tobytes() == b.tobytes()
-    with pytest.raises(IndexError, match="out of bounds for table0"):
-        cuflash.attention(*device[1:], mask_mod=lambda b, h, i, j: ids[i + 20] < 2)
+    launched = len(_State.launches)
+    with pytest.raises(IndexError, match="score_mod: an index is out of bounds for table0"):  # the kernels' flag
+        cuflash.attention(*device[1:], score_mod=lambda s, b, h, i, j: s + ids[i + 20])
+    assert len(_State.launches) > launched
+    with pytest.raises(IndexError, match="mask_mod: index 56 is out of bounds for axis 0 of table0"):
+        cuflash.attention(*device[1:], mask_mod=lambda b, h, i, j: ids[i + 20] < 2)  # its block mask's build
+
+
+def test_a_mask_mod_alone_gets_a_block_mask_made_on_the_arrays_device(cupy, monkeypatch):
+    """mask_mod= alone on CuPy arrays: a block mask is made with CuPy on the arrays' device, once, and the kernels
+    visit only the tiles it shows: one made to hide a tile the pattern shows (a lie the kernels cannot see
+    through) gives the simt backend's bits through that mask, and not the honest result."""
+    rng = np.random.default_rng(32)
+    q, k, v = (rng.standard_normal((1, 2, 256, 16)).astype(np.float16) for _ in range(3))
+    pattern = mods.documents(np.sort(rng.integers(0, 3, 256)))
+    honest = cuflash.attention(q, k, v, mask_mod=pattern, causal=True, backend="simt")
+    made = []
+    real = blockmask._from_mod
+
+    def lying(*args):
+        mask = real(*args)
+        kinds = mask.kinds.copy()
+        kinds[tuple(np.argwhere(kinds != blockmask.HIDDEN)[-1])] = blockmask.HIDDEN  # the last row tile's last
+        made.append((args[-1], blockmask.BlockMask(kinds, mask.shape, mask.block, mask.mask_mod,
+                                                   function=mask.function)))
+        return made[-1][1]
+    monkeypatch.setattr(blockmask, "_from_mod", lying)
+    monkeypatch.setattr(blockmask, "_cache", type(blockmask._cache)())
+    with cupy.cuda.Device(1):
+        device = [cupy.asarray(x) for x in (q, k, v)]
+    got = [cuflash.attention(*device, mask_mod=pattern, causal=True) for _ in range(2)]
+    assert [xp for xp, _ in made] == [cupy] and _State.launches[-1][-1] == 1  # made once, with CuPy
+    expected = cuflash.attention(q, k, v, block_mask=made[0][1], causal=True, backend="simt")
+    assert got[0].get().tobytes() == got[1].get().tobytes() == expected.tobytes()
+    assert not np.array_equal(expected, honest)
 
 
 def test_packed_sequences_on_cupy_arrays(cupy):

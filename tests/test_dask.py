@@ -250,3 +250,23 @@ def test_mods_see_global_indices_and_sinks_join_once(data):
         np.testing.assert_allclose(lse.compute(), expected_lse, rtol=1e-12, atol=1e-12)
     pruned = pair_tasks(cd.attention(dq, dk, dv, block_mask=made, causal=True))
     assert len(pruned) <= len(pair_tasks(cd.attention(dq, dk, dv, mask_mod=pattern, causal=True)))
+
+
+def test_chunk_offsets_compile_no_kernel_per_chunk_pair():
+    """The offsets each chunk pair's mods add are an array they read, not numbers in their expression: the
+    kernels compile once for the graph's mods, not once per chunk pair, and the result is the one call's."""
+    from cuflash import mods
+    from cuflash.backends import simt
+
+    rng = np.random.default_rng(13)
+    q, k, v = (rng.standard_normal((2, 3, 64, 16)).astype(np.float32) for _ in range(3))
+    ids = np.sort(rng.integers(0, 3, (2, 64)), axis=1)
+    slopes = rng.random(3)
+    options = dict(mask_mod=mods.documents(ids), score_mod=mods.alibi(slopes), causal=True)
+    dq, dk, dv = (da.from_array(x, chunks=(1, 3, 32, 16)) for x in (q, k, v))
+    before = set(simt._functions)
+    out = cd.attention(dq, dk, dv, backend="simt", **options)
+    assert len(pair_tasks(out)) == 2 * 3  # per batch block, the causal chunk pairs (0, 0), (1, 0), (1, 1)
+    result = out.compute(scheduler="sync")
+    assert len(set(simt._functions) - before) <= 1  # one forward kernel, whichever this problem's plan is
+    np.testing.assert_allclose(result, cuflash.attention(q, k, v, **options), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ traces, and as the dense formula the reference evaluates (with torch for the gra
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import mods
+from test_cupy_shim import stand_in
 
 BACKENDS = ["numpy", "simt"]  # simt: the same problems through the GPU backends' path on NumPy arrays
 
@@ -90,6 +92,25 @@ def run(backend, q, k, v, **options):
     result, lse = cuflash.attention(q, k, v, out=out, return_lse=True, backend=backend, **options)
     assert result is out
     return result, lse
+
+
+def on_cupy(cupy, forward=True):
+    """cuflash.attention (forward) or attention_backward with NumPy arrays in and out, run on the stand-in cupy's
+    arrays (tests/test_cupy_shim.py): the cupy backend's path, its kernels on the emulator (the builds the simt
+    backend made for the same problem)."""
+    def call(*arrays, **options):
+        device = [cupy.asarray(x) for x in arrays]
+        if options.get("sinks") is not None:
+            options = dict(options, sinks=cupy.asarray(options["sinks"]))
+        if not forward:
+            return tuple(g.get() for g in cuflash.attention_backward(*device, **options))
+        q, k, v = device
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        out = cupy.asarray(np.full(batch + (q.shape[-2], v.shape[-1]), np.nan, dtype=q.dtype))
+        result, lse = cuflash.attention(q, k, v, out=out, return_lse=True, **options)
+        assert result is out
+        return result.get(), lse.get()
+    return call
 
 
 def assert_close(actual, expected, dtype, scale=1.0):
@@ -260,8 +281,13 @@ def test_drawn_mods_match_the_dense_function(case, backend):
     score_mod = None if case["score"] is None else mod_functions(case["score"], "score", tables)
     mask_mod = None if case["mask"] is None else mod_functions(case["mask"], "mask", tables)
     sinks = rng.standard_normal(batch[1:]) if case["sinks"] else None
-    out, lse = run(backend, q, k, v, score_mod=score_mod and score_mod[0], mask_mod=mask_mod and mask_mod[0],
-                   sinks=sinks, causal=case["causal"])
+    options = dict(score_mod=score_mod and score_mod[0], mask_mod=mask_mod and mask_mod[0], sinks=sinks,
+                   causal=case["causal"])
+    out, lse = run(backend, q, k, v, **options)
+    if backend == "simt":  # and the cupy backend on the stand-in: the same kernels, the same bits
+        with stand_in() as cupy:
+            for got, want in zip(on_cupy(cupy)(q, k, v, **options), (out, lse)):
+                assert got.tobytes() == want.tobytes()
     to_t = (lambda x: torch.as_tensor(np.asarray(x, np.float64)))
     expected, expected_lse = dense_reference(
         *(to_t(x) for x in (q, k, v)), score_mod=score_mod and score_mod[1], mask_mod=mask_mod and mask_mod[1],
@@ -330,14 +356,16 @@ def builtin_cases():
 
 
 @pytest.mark.parametrize("name", list(builtin_cases()))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ["cupy"])  # cupy: the stand-in's arrays, the simt runs' builds
 def test_builtins_forward_and_backward_match_their_formulas(name, backend):
     options, score_formula, mask_formula = builtin_cases()[name]
     rng = np.random.default_rng(3)
     q, k, v = operands(rng, (2, 4), 29, 29, 8)
-    out, lse = run(backend, q, k, v, **options)
-    dout = rng.standard_normal(out.shape)
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend=backend, **options)
+    with stand_in() if backend == "cupy" else contextlib.nullcontext() as cupy:
+        out, lse = on_cupy(cupy)(q, k, v, **options) if cupy else run(backend, q, k, v, **options)
+        dout = rng.standard_normal(out.shape)
+        grads = on_cupy(cupy, forward=False)(dout, q, k, v, out, lse, **options) if cupy else \
+            cuflash.attention_backward(dout, q, k, v, out, lse, backend=backend, **options)
     tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
     expected, expected_lse = dense_reference(*tensors, score_mod=score_formula, mask_mod=mask_formula, lib=torch)
     expected.backward(torch.as_tensor(dout))
@@ -345,6 +373,33 @@ def test_builtins_forward_and_backward_match_their_formulas(name, backend):
     assert_close(lse, expected_lse.detach().numpy(), np.float64)
     for grad, tensor in zip(grads, tensors):
         assert_close(grad, tensor.grad.numpy(), np.float64, scale=100)
+
+
+def test_new_lengths_batch_shapes_and_contents_compile_no_kernel():
+    """A kernel is compiled once per expression, dtype and tiles: after the first call, new lengths, batch
+    shapes and captured arrays of new sizes and contents reach the same kernels (forward and backward)."""
+    from cuflash.backends import simt
+    rng = np.random.default_rng(12)
+    compiled = []
+    for batch, n, m in [((2, 4), 29, 29), ((3, 2), 40, 50), ((1, 4), 17, 61)]:
+        q, k, v = operands(rng, batch, n, m, 8)
+        ids = np.sort(rng.integers(0, 4, (batch[0], max(n, m))), axis=1)
+        slopes = rng.random(batch[1])
+        options = dict(mask_mod=mods.documents(ids), score_mod=mods.alibi(slopes), causal=True)
+        before = set(simt._functions)
+        out, lse = run("simt", q, k, v, **options)
+        dout = rng.standard_normal(out.shape)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", **options)
+        compiled.append(set(simt._functions) - before)
+        tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+        expected, expected_lse = dense_reference(
+            *tensors, causal=True, lib=torch, mask_mod=lambda b, h, i, j: ids[b, i] == ids[b, j],
+            score_mod=lambda s, b, h, i, j: s - torch.as_tensor(slopes)[h] * (i - j).abs())
+        expected.backward(torch.as_tensor(dout))
+        assert_close(out, expected.detach().numpy(), np.float64)
+        for grad, tensor in zip(grads, tensors):
+            assert_close(grad, tensor.grad.numpy(), np.float64, scale=100)
+    assert compiled[1:] == [set(), set()]
 
 
 def test_alibi_equals_its_bias_and_slopes_follow_the_paper():

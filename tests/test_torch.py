@@ -167,6 +167,40 @@ def test_a_llama_with_grouped_query_attention_and_left_padding(calls):
                                    reference.generate(ids[:1], max_new_tokens=4, do_sample=False))
 
 
+def test_generation_with_padding_compiles_no_kernel_per_token(monkeypatch):
+    """Each generated token is a new query offset and key length under transformers' mask function: the offsets
+    are a tensor its mask_mod reads, so on the kernels (the simt backend) the decoding steps after the first
+    compile nothing, and greedy generation gives sdpa's tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cuflash import api
+    from cuflash.backends import simt
+    ours, reference = transformers_pair(LlamaConfig, LlamaForCausalLM, vocab_size=97, hidden_size=64,
+                                        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(7))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0  # left padding: every step's mask is a ModMask, not causal alone
+    real = api.attention
+    compiled = []  # (the call's query length, the kernels compiled so far), per attention call
+
+    def on_the_kernels(*args, **kwargs):
+        assert kwargs["mask_mod"] is not None
+        before = set(simt._functions)
+        result = real(*args, **dict(kwargs, backend="simt"))
+        compiled.append((args[0].shape[-2], set(simt._functions) - before))
+        return result
+    monkeypatch.setattr(api, "attention", on_the_kernels)
+    with torch.no_grad():
+        tokens = ours.generate(ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
+    decoding = [new for n, new in compiled if n == 1]
+    assert len(decoding) == 2 * 4 and decoding[1:] == [set()] * 7  # 4 steps after the prompt, 2 layers each
+    monkeypatch.setattr(api, "attention", real)
+    with torch.no_grad():
+        torch.testing.assert_close(tokens, reference.generate(ids, attention_mask=attention_mask, max_new_tokens=5,
+                                                              do_sample=False))
+
+
 def test_a_bert_encoder_with_a_padding_mask(calls):
     from transformers import BertConfig, BertModel
     ours, reference = transformers_pair(BertConfig, BertModel, vocab_size=97, hidden_size=64,

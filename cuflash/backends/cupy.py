@@ -71,6 +71,7 @@ def run_backward(problem, dout, out, lse, grads, block=None):
             blocked.run_backward(problem, dout, out, lse, grads)
             return
         plans = tuple(plan.with_mods(patterns and patterns.mods) for plan in plans)
+        compile_together(device.id, plans, limits, check_spills=block is None)
         launch.run_backward(problem, plans, dout, out, lse, grads,
                             kernels_for(device.id, limits, chosen=block is None), patterns)
 
@@ -94,21 +95,34 @@ def kernels_for(device_id: int, limits, chosen: bool) -> launch.GetKernel:
 
 
 def kernel(device_id: int, plan: tiling.Plan, limits, check_spills=True):
-    import cupy
-
-    options = tuple(nvrtc.options())  # no -arch: CuPy appends the current device's, and NVRTC refuses a second
-    name, shared_mem = plan.name, plan.shared_mem
-    key = (device_id, options, plan.kernel)
+    key = (device_id, tuple(nvrtc.options()), plan.kernel)
     function = _functions.get(key)
     if function is None:
-        module = cupy.RawModule(code=plan.code, options=options, name_expressions=[name])
-        function = module.get_function(name)
-        local = function.local_size_bytes
-        if local and check_spills:
-            warnings.warn(f"cuflash: {name} uses {local} bytes of local memory per thread on {limits.name} "
-                          f"({function.num_regs} registers): a spill in a configuration the heuristic chose; "
-                          f"please report it", RuntimeWarning, stacklevel=4)
-        _functions[key] = function
+        compile_together(device_id, [plan], limits, check_spills)
+        function = _functions[key]
+    shared_mem = plan.shared_mem
     if shared_mem > limits.smem_default and function.max_dynamic_shared_size_bytes < shared_mem:
         function.max_dynamic_shared_size_bytes = shared_mem  # the opt-in above 48 KiB
     return function
+
+
+def compile_together(device_id: int, plans, limits, check_spills=True) -> None:
+    """Compile the plans' kernels not compiled yet on this device, those of one source in one module: one NVRTC
+    run (the source parsed once) for the backward's two kernels, as the simt backend builds them."""
+    import cupy
+
+    options = tuple(nvrtc.options())  # no -arch: CuPy appends the current device's, and NVRTC refuses a second
+    todo: Dict[str, Dict[str, tiling.Plan]] = {}  # code -> name -> plan
+    for plan in plans:
+        if (device_id, options, plan.kernel) not in _functions:
+            todo.setdefault(plan.code, {})[plan.name] = plan
+    for code, named in todo.items():
+        module = cupy.RawModule(code=code, options=options, name_expressions=sorted(named))
+        for name, plan in named.items():
+            function = module.get_function(name)
+            local = function.local_size_bytes
+            if local and check_spills:
+                warnings.warn(f"cuflash: {name} uses {local} bytes of local memory per thread on {limits.name} "
+                              f"({function.num_regs} registers): a spill in a configuration the heuristic chose; "
+                              f"please report it", RuntimeWarning, stacklevel=4)
+            _functions[(device_id, options, plan.kernel)] = function
