@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one script to run on a machine with a CUDA GPU: the environment, the GPU tests, the PTX hardware check,
-# the patterns' GPU tests (mods, block masks, sinks), the demo, a short benchmark sweep, the backward beside
-# torch's, the patterns as functions beside dense arrays (bench.patterns on CuPy arrays), ncu's DRAM bytes beside
+# the patterns', packed sequences' and pages' GPU tests (mods, block masks, sinks, attention_varlen,
+# attention_paged), the demo, a short benchmark sweep, the backward beside torch's, the patterns as functions
+# beside dense arrays (bench.patterns on CuPy arrays), packed against padded and paged decoding against gathered
+# pages (bench.sequences: tokens per second and the share of HBM bandwidth), ncu's DRAM bytes beside
 # the model, and ncu's shared-memory wavefronts, bank conflicts, global sectors and barriers beside the emulator's
 # profile of the same forward kernels (n = m = 128, d = 64). Each step has a time limit and the whole stays under
 # 10 minutes; a failing step does not stop the others.
@@ -123,14 +125,17 @@ steps() {
     else
         record tests-ptx - 0 "skipped: $HARDWARE_TEST does not exist yet"
     fi
-    # the patterns' GPU tests again on their own: they run even where the whole GPU suite ran out of its time
-    step tests-patterns 45 "$PY" -m pytest "${PYTEST_ARGS[@]}" -k "mod or pattern or block_mask or sink" \
+    # the patterns', packed sequences' and pages' GPU tests again on their own: they run even where the whole GPU
+    # suite ran out of its time
+    step tests-patterns 45 "$PY" -m pytest "${PYTEST_ARGS[@]}" \
+        -k "mod or pattern or block_mask or sink or varlen or paged or packed" \
         --junitxml="$DIR/tests-patterns.xml" tests
     step demo 30 "$PY" -m cuflash
-    step sweep 95 "$PY" -m bench.attention --preset short --time-limit 60 --out "$DIR/sweep"
+    step sweep 80 "$PY" -m bench.attention --preset short --time-limit 50 --out "$DIR/sweep"
     step backward 60 "$PY" -m bench.backward --gpu --repeats 5 --out "$DIR/backward"
-    step patterns 75 "$PY" -m bench.patterns --backend cupy --dtype float16 --n 4096 --out "$DIR/patterns"
-    step ncu 70 "$PY" -m bench.attention --ncu --ncu-timeout 30 --out "$DIR/ncu"
+    step patterns 65 "$PY" -m bench.patterns --backend cupy --dtype float16 --n 4096 --out "$DIR/patterns"
+    step sequences 35 "$PY" -m bench.sequences --gpu --out "$DIR/sequences"
+    step ncu 60 "$PY" -m bench.attention --ncu --ncu-timeout 25 --out "$DIR/ncu"
     if command -v ncu >/dev/null 2>&1 || [ "$DRY" = 1 ]; then
         step profile 50 "$PY" -m bench.emulator_profile --ncu "$DIR/profile" --ncu-timeout 30
     else

@@ -2,7 +2,7 @@
 
     python -m bench.sequences --out DIR          # the numpy backend, float32
     python -m bench.sequences --tiny --out DIR   # seconds: the CI smoke run
-    python -m bench.sequences --gpu --out DIR    # CuPy arrays on the current CUDA device (a machine with a GPU)
+    python -m bench.sequences --gpu --out DIR    # CuPy arrays (float16) on the current CUDA device
 
 Packed against padded: a batch of sequences of skewed lengths (most short, a few long: lengths drawn from a
 log-normal, capped at the longest) through attention_varlen, beside the same batch padded to the longest and run
@@ -25,7 +25,7 @@ import argparse
 import json
 import platform
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -55,13 +55,13 @@ def skewed_lengths(rng, batch: int, longest: int) -> np.ndarray:
     return lengths
 
 
-def packed_against_padded(device, rng, batch: int, longest: int, heads: int, d: int) -> dict:
+def packed_against_padded(device, rng, dtype, batch: int, longest: int, heads: int, d: int) -> dict:
     xp = device.xp
     lengths = skewed_lengths(rng, batch, longest)
     cu = np.concatenate([[0], np.cumsum(lengths)])
     total = int(cu[-1])
-    q, k, v = (xp.asarray(rng.standard_normal((total, heads, d)).astype(np.float32)) for _ in range(3))
-    padded = [xp.zeros((batch, heads, longest, d), np.float32) for _ in range(3)]
+    q, k, v = (xp.asarray(rng.standard_normal((total, heads, d)).astype(dtype)) for _ in range(3))
+    padded = [xp.zeros((batch, heads, longest, d), dtype) for _ in range(3)]
     for s in range(batch):  # each sequence into its row, (heads, length, d)
         for x, whole in zip(padded, (q, k, v)):
             x[s, :, :lengths[s]] = whole[cu[s]:cu[s + 1]].transpose(1, 0, 2)
@@ -75,23 +75,24 @@ def packed_against_padded(device, rng, batch: int, longest: int, heads: int, d: 
     difference = max(float(abs(got[cu[s]:cu[s + 1]] - full[s, :, :lengths[s]].transpose(1, 0, 2)).max())
                      for s in range(batch))
     ideal = float((lengths.astype(float) ** 2).sum() / (batch * longest ** 2))
-    return {"name": "packed against padded", "batch": batch, "longest": longest, "heads": heads, "d": d,
+    return {"name": "packed against padded", "dtype": np.dtype(dtype).name, "batch": batch, "longest": longest,
+            "heads": heads, "d": d,
             "lengths": lengths.tolist(), "packed_ms": 1e3 * timed[0], "padded_ms": 1e3 * timed[1],
             "ratio": timed[0] / timed[1], "ideal_ratio": ideal, "max_abs_difference": difference}
 
 
-def decoding(device, rng, batch: int, cached: int, heads: int, kv_heads: int, d: int) -> dict:
+def decoding(device, rng, dtype, batch: int, cached: int, heads: int, kv_heads: int, d: int) -> dict:
     """One decoding step of every sequence: attention_paged appending its key and value, against gathering the
     pages into a contiguous (batch, heads, keys, d) array and calling attention."""
     xp = device.xp
     pages_each = -(-(cached + 1) // PAGE)
     order = rng.permutation(batch * pages_each)
     table = xp.asarray(order.reshape(batch, pages_each))
-    k_cache, v_cache = (xp.asarray(rng.standard_normal((batch * pages_each, PAGE, kv_heads, d)).astype(np.float32))
+    k_cache, v_cache = (xp.asarray(rng.standard_normal((batch * pages_each, PAGE, kv_heads, d)).astype(dtype))
                         for _ in range(2))
     lengths = xp.full((batch,), cached, np.int64)
-    q = xp.asarray(rng.standard_normal((batch, 1, heads, d)).astype(np.float32))
-    k_new, v_new = (xp.asarray(rng.standard_normal((batch, 1, kv_heads, d)).astype(np.float32)) for _ in range(2))
+    q = xp.asarray(rng.standard_normal((batch, 1, heads, d)).astype(dtype))
+    k_new, v_new = (xp.asarray(rng.standard_normal((batch, 1, kv_heads, d)).astype(dtype)) for _ in range(2))
     groups = heads // kv_heads
     paged = lambda: cuflash.attention_paged(q, k_cache, v_cache, table, lengths, k_new=k_new,  # noqa: E731
                                             v_new=v_new)
@@ -104,8 +105,9 @@ def decoding(device, rng, batch: int, cached: int, heads: int, kv_heads: int, d:
     timed = median_times(device, paged, gathered)
     out = paged()
     expected = gathered().reshape(batch, heads, d)
-    read = 2 * batch * (cached + 1) * kv_heads * d * 4  # bytes of K and V the step reads
-    record = {"name": "decoding from a paged cache", "batch": batch, "cached": cached, "heads": heads,
+    read = 2 * batch * (cached + 1) * kv_heads * d * np.dtype(dtype).itemsize  # bytes of K and V the step reads
+    record = {"name": "decoding from a paged cache", "dtype": np.dtype(dtype).name, "batch": batch, "cached": cached,
+              "heads": heads,
               "kv_heads": kv_heads, "d": d, "page_size": PAGE, "paged_ms": 1e3 * timed[0],
               "gathered_ms": 1e3 * timed[1], "tokens_per_s": batch / timed[0],
               "gathered_tokens_per_s": batch / timed[1], "speedup": timed[1] / timed[0],
@@ -116,8 +118,11 @@ def decoding(device, rng, batch: int, cached: int, heads: int, kv_heads: int, d:
     return record
 
 
-def peak_bandwidth(props) -> float:
-    """Bytes per second a GPU's memory moves at most: double data rate at its memory clock (kHz) over its bus."""
+def peak_bandwidth(props) -> Optional[float]:
+    """Bytes per second a GPU's memory moves at most: double data rate at its memory clock (kHz) over its bus
+    (None where the device does not say)."""
+    if not props.get("memoryClockRate") or not props.get("memoryBusWidth"):
+        return None
     return 2 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8
 
 
@@ -128,12 +133,13 @@ def markdown(report) -> str:
              f"`{report['command']}` on {report['machine']}. Medians of {REPEATS} calls after a warm-up.", "",
              "| packed against padded | batch | longest | packed (ms) | padded (ms) | ratio | ideal ratio | "
              "max abs diff |", "|---|---|---|---|---|---|---|---|",
-             f"| float32, {packed['heads']} heads, d = {packed['d']} | {packed['batch']} | {packed['longest']} | "
+             f"| {packed['dtype']}, {packed['heads']} heads, d = {packed['d']} | {packed['batch']} | "
+             f"{packed['longest']} | "
              f"{packed['packed_ms']:.1f} | {packed['padded_ms']:.1f} | {packed['ratio']:.3f} | "
              f"{packed['ideal_ratio']:.3f} | {packed['max_abs_difference']:.1e} |", "",
              "| decoding, one query per sequence | batch | cached keys | paged (ms) | gathered (ms) | tokens/s paged "
              "| tokens/s gathered | speed-up | HBM share | max abs diff |", "|---|---|---|---|---|---|---|---|---|---|",
-             f"| float32, {decode['heads']} heads over {decode['kv_heads']}, d = {decode['d']}, pages of "
+             f"| {decode['dtype']}, {decode['heads']} heads over {decode['kv_heads']}, d = {decode['d']}, pages of "
              f"{decode['page_size']} | {decode['batch']} | {decode['cached']} | {decode['paged_ms']:.2f} | "
              f"{decode['gathered_ms']:.2f} | {decode['tokens_per_s']:.0f} | {decode['gathered_tokens_per_s']:.0f} | "
              f"{decode['speedup']:.2f}x | {share} | {decode['max_abs_difference']:.1e} |"]
@@ -156,7 +162,8 @@ def main(argv: List[str] = None) -> int:
                                                                      d=128)
     else:
         sizes = dict(batch=16, longest=2048, heads=4, d=64), dict(batch=16, cached=4096, heads=8, kv_heads=2, d=64)
-    records = [packed_against_padded(device, rng, **sizes[0]), decoding(device, rng, **sizes[1])]
+    dtype = np.float16 if args.gpu else np.float32  # a GPU serves 16-bit caches; the CPU computes in float32
+    records = [packed_against_padded(device, rng, dtype, **sizes[0]), decoding(device, rng, dtype, **sizes[1])]
     command = "python -m bench.sequences" + (" --tiny" if args.tiny else "") + (" --gpu" if args.gpu else "")
     report = {"schema": SCHEMA, "command": command, "backend": "cupy" if args.gpu else "numpy",
               "device": device.env().get("gpu", "the CPU (numpy backend)"),

@@ -77,6 +77,8 @@ PTX = "tests/simt/test_simt_ptx.py"
 BACKWARD = "tests/test_backward.py"
 BWD_SIMT_FILE = "tests/test_backward_simt.py"
 BWD_SIMT = f"{BWD_SIMT_FILE}::test_matches_reference"
+VARLEN = "tests/test_varlen.py"
+PAGED = "tests/test_paged.py"
 
 MUTANTS = (
     # ---- the front door and the Problem
@@ -523,6 +525,42 @@ MUTANTS = (
       [("memo[id(x)] = ONE if x is wrt else ZERO", "memo[id(x)] = ONE")],
       ["tests/test_mods.py::test_gradients_reach_the_arrays_score_mod_closes_over"],
       "d score_mod / d a table read also counts d score_mod / d score"),
+    m("varlen-kernel-keys-at-query-rows",
+      [("return {p.cu_seqlens_q[s + 1] - q0, p.cu_seqlens_k[s + 1] - k0, q0, k0};",
+        "return {p.cu_seqlens_q[s + 1] - q0, p.cu_seqlens_k[s + 1] - k0, q0, q0};")],
+      [f"{VARLEN}::test_each_sequence_is_attention_on_its_own"],
+      "the kernels read a packed sequence's keys from its query offset"),
+    m("varlen-blocked-keys-as-queries",
+      [('m=rows["k"][1] - rows["k"][0],', 'm=rows["q"][1] - rows["q"][0],')],
+      [f"{VARLEN}::test_each_sequence_is_attention_on_its_own"],
+      "the blocked algorithm gives a packed sequence as many keys as queries"),
+    m("paged-row-without-its-page-offset",
+      [("return src + walk.table[x / walk.size] * walk.stride + x % walk.size * row_stride;",
+        "return src + walk.table[x / walk.size] * walk.stride + x * row_stride;")],
+      [f"{PAGED}::test_each_sequence_attends_to_its_pages"],
+      "a paged key's row within its page is its position in the sequence"),
+    m("paged-values-at-the-keys-page-stride",
+      [("x == kK ? p.pages.stride_k : p.pages.stride_v", "p.pages.stride_k")],
+      [f"{PAGED}::test_each_sequence_attends_to_its_pages"],
+      "the kernels walk the value cache's pages with the key cache's stride"),
+    m("paged-kernel-longest-sequence-everywhere",
+      [("if constexpr (kPaged) return {p.n, p.pages.seqlens[batch_item() / p.sequence_items], 0, 0};",
+        "if constexpr (kPaged) return {p.n, p.m, 0, 0};")],
+      [f"{PAGED}::test_each_sequence_attends_to_its_pages"],
+      "every paged sequence sees as many keys as the longest"),
+    m("paged-gather-drops-a-short-last-page",
+      [("pages = pages[:-(-m // self.page_size)]", "pages = pages[:m // self.page_size]")],
+      [f"{PAGED}::test_each_sequence_attends_to_its_pages"],
+      "the numpy backend leaves out a sequence's last, partly filled page"),
+    m("paged-append-one-row-late",
+      [("position = cached[:, None] + xp.arange(k_new.shape[1])[None, :]",
+        "position = cached[:, None] + 1 + xp.arange(k_new.shape[1])[None, :]")],
+      [f"{PAGED}::test_each_sequence_attends_to_its_pages"],
+      "new keys are written one row past the cached ones"),
+    m("paged-last-page-id-unchecked",
+      [("bad = used & ((table < 0) | (table >= num_pages))", "bad = used & ((table < 0) | (table > num_pages))")],
+      [f"{PAGED}::test_bad_arguments_are_clear_errors"],
+      "a page id one past the caches' last page is taken (and read past the cache)"),
     m("shfl-xor-twin",
       [("default: j = lane ^ (b & 31); ok = j <= max_lane; break;",
         "default: j = lane ^ (b & 15); ok = j <= max_lane; break;")],

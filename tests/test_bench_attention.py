@@ -343,14 +343,14 @@ def test_device_check_dry_run_lists_the_steps(tmp_path):
     done = run(["bash", str(DEVICE_CHECK), "--dry-run", str(out)])
     assert done.returncode == 0, done.stderr
     steps = [line.split()[0] for line in done.stdout.splitlines()[1:]]
-    assert steps == ["env", "tests", "tests-ptx", "tests-patterns", "demo", "sweep", "backward", "patterns", "ncu",
-                     "profile"]
+    assert steps == ["env", "tests", "tests-ptx", "tests-patterns", "demo", "sweep", "backward", "patterns",
+                     "sequences", "ncu", "profile"]
     limits = [int(line.split()[1].rstrip("s")) for line in done.stdout.splitlines()[1:]]
     assert sum(limits) <= 600  # the whole stays under 10 minutes
     assert "-m gpu" in done.stdout and "--preset short" in done.stdout and "--ncu" in done.stdout
     assert "-m bench.backward --gpu" in done.stdout
-    assert "-k mod or pattern or block_mask or sink" in done.stdout
-    assert "-m bench.patterns --backend cupy" in done.stdout
+    assert "-k mod or pattern or block_mask or sink or varlen or paged" in done.stdout
+    assert "-m bench.patterns --backend cupy" in done.stdout and "-m bench.sequences --gpu" in done.stdout
     assert "-m bench.emulator_profile --ncu" in done.stdout
     assert not out.exists()
 

@@ -158,8 +158,14 @@ class ndarray:
     def sum(self, axis=None, dtype=None, out=None, keepdims=False):
         return self._wrap(np.asarray(self._a.sum(axis=axis, dtype=dtype, keepdims=keepdims)))
 
+    def min(self, axis=None, out=None, keepdims=False):
+        return self._wrap(np.asarray(self._a.min(axis=axis, keepdims=keepdims)))
+
     def __neg__(self):
         return self._wrap(-self._a)
+
+    def __abs__(self):
+        return self._wrap(abs(self._a))
 
     def __invert__(self):
         return self._wrap(~self._a)
@@ -181,6 +187,9 @@ class ndarray:
 
     def __int__(self):
         return int(self._a)
+
+    def __float__(self):
+        return float(self._a)
 
     __array_ufunc__ = None  # NumPy scalars and arrays defer to CuPy's operators, as with CuPy's own ndarray
 
@@ -210,10 +219,10 @@ def _joined(function, arrays, axis):
     return arrays[0]._wrap(function([x._a for x in arrays], axis=axis))
 
 
-for _name in ("add", "sub", "mul", "truediv", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_"):
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_"):
     _op = getattr(operator, _name)
     setattr(ndarray, f"__{_name.rstrip('_')}__", _elementwise(_op))
-    if _name in ("add", "sub", "mul", "truediv"):
+    if _name in ("add", "sub", "mul", "truediv", "floordiv", "mod"):
         setattr(ndarray, f"__r{_name}__", _elementwise(lambda a, b, _op=_op: _op(b, a)))
 
 def _in_place(name):
@@ -318,7 +327,8 @@ def getDeviceProperties(device):
         "sharedMemPerMultiprocessor": H100.smem_per_sm, "regsPerMultiprocessor": 65536, "regsPerBlock": 65536,
         "maxThreadsPerMultiProcessor": 2048, "maxBlocksPerMultiProcessor": 32, "maxThreadsPerBlock": 1024,
         "reservedSharedMemPerBlock": 1024, "warpSize": 32, "maxGridSize": (2**31 - 1, 65535, 65535),
-        "maxThreadsDim": (1024, 1024, 64), "totalGlobalMem": 80 * 2**30,
+        "maxThreadsDim": (1024, 1024, 64), "totalGlobalMem": 80 * 2**30, "memoryClockRate": 2619000,
+        "memoryBusWidth": 5120,
     }
 
 
@@ -440,7 +450,7 @@ def kernel_file(code):
     builds it under)."""
     mods_text = generated_mods(code)
     return next((name for name in ("forward.cuh", "forward_mma.cuh", "backward.cuh", "backward_mma.cuh")
-                 if kernels.source(name, mods_text) == code), "cuflash.cu")
+                 for paged in (False, True) if kernels.source(name, mods_text, paged) == code), "cuflash.cu")
 
 
 def generated_mods(code):
@@ -486,8 +496,11 @@ def make_shim():
     for name in sorted(mods.UNARY | mods.BINARY | {"divide", "trunc"}):  # CuPy's ufuncs a mod is evaluated with
         setattr(shim, name, _elementwise(getattr(np, name)))
     shim.swapaxes = lambda x, a, b: x._wrap(np.swapaxes(x._a, a, b))
-    for name in ("minimum", "searchsorted", "cumsum"):
+    for name in ("minimum", "searchsorted", "cumsum", "take_along_axis", "argmax", "moveaxis"):
         setattr(shim, name, _elementwise(getattr(np, name), keywords=True))
+    shim.get_default_memory_pool = lambda: types.SimpleNamespace(  # what the benchmarks read of CuPy's pool
+        total_bytes=lambda: 0, free_bytes=lambda: 0, free_all_blocks=lambda: None)
+    shim.full = lambda shape, value, dtype=None: ndarray(np.full(shape, _unwrap(value), dtype=dtype), _State.current)
     for name in ("stack", "concatenate"):
         setattr(shim, name, lambda arrays, axis=0, _f=getattr(np, name): _joined(_f, arrays, axis))
     shim.nonzero = lambda x: tuple(x._wrap(i) for i in np.nonzero(x._a))
@@ -498,7 +511,7 @@ def make_shim():
     shim.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(as_strided=as_strided))
     runtime = types.SimpleNamespace(
         getDeviceCount=lambda: DEVICES, getDevice=lambda: _State.current, getDeviceProperties=getDeviceProperties,
-        CUDARuntimeError=CUDARuntimeError)
+        CUDARuntimeError=CUDARuntimeError, driverGetVersion=lambda: 12090, runtimeGetVersion=lambda: 12090)
     cuda = types.ModuleType("cupy.cuda")
     cuda.Device, cuda.runtime, cuda.Stream, cuda.Event = Device, runtime, Stream, Event
     cuda.get_current_stream, cuda.get_elapsed_time = get_current_stream, get_elapsed_time
@@ -862,3 +875,43 @@ def test_packed_sequences_on_cupy_arrays(cupy):
         cuflash.attention_varlen(*device[1:], cu_q, cupy.asarray(np.array([0, 11, 7, 29, 29])))
     with pytest.raises(TypeError, match="cu_seqlens_q is a CuPy array but q, k and v are NumPy arrays"):
         cuflash.attention_varlen(q, k, v, cupy.asarray(cu_q), cu_k)
+
+
+def test_paged_cache_on_cupy_arrays(cupy):
+    """attention_paged on CuPy caches with a host page table (copied to the device) and device lengths: the new rows
+    land in the device caches, and the paged kernels (split keys too) give the simt backend's bits; a bad page id
+    is found on the device (one reduction read back) before anything is written."""
+    from test_paged import paged_case
+    q, k_cache, v_cache, table, cached, k_new, v_new = paged_case(17, 3, [20, 0, 37], 1, 1, (4, 2), 16, 16,
+                                                                  np.float16, spare=0)
+    device = [cupy.asarray(x) for x in (q, k_cache, v_cache, k_new, v_new)]
+    for splits in (None, 2):
+        k_host, v_host = k_cache.copy(), v_cache.copy()
+        out, lse = cuflash.attention_paged(q, k_host, v_host, table, cached, k_new=k_new, v_new=v_new,
+                                           backend="simt", num_splits=splits, return_lse=True)
+        k_dev, v_dev = device[1].copy(), device[2].copy()
+        before = len(_State.launches)
+        got, got_lse = cuflash.attention_paged(device[0], k_dev, v_dev, table, cupy.asarray(cached),
+                                               k_new=device[3], v_new=device[4], num_splits=splits, return_lse=True)
+        kernels = {name.split("<")[0] for name, *_ in _State.launches[before:]}
+        assert kernels == ({"cuflash::fwd_mma"} if splits is None else {"cuflash::fwd"})  # forced splits: decoding
+        assert got.get().tobytes() == out.tobytes() and got_lse.get().tobytes() == lse.tobytes()
+        assert k_dev.get().tobytes() == k_host.tobytes() and v_dev.get().tobytes() == v_host.tobytes()
+    bad = table.copy()
+    bad[2, 0] = 99
+    with pytest.raises(ValueError, match=r"block_table\[2, 0\] = 99 is not a page"):
+        cuflash.attention_paged(device[0], device[1], device[2], cupy.asarray(bad), cached, k_new=device[3],
+                                v_new=device[4])
+    assert device[1].get().tobytes() == k_cache.tobytes()  # nothing written
+
+
+def test_the_sequences_benchmark_on_the_gpu_path(cupy, tmp_path):
+    """bench.sequences --gpu --tiny through the stand-in: CuPy arrays, event timing, the HBM share from the device's
+    memory clock and bus width (the timings mean nothing here)."""
+    import json
+    from bench import sequences
+    assert sequences.main(["--tiny", "--gpu", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    packed, decode = report["records"]
+    assert report["backend"] == "cupy" and decode["dtype"] == "float16" and "hbm_fraction" in decode
+    assert packed["max_abs_difference"] < 1e-2 and decode["max_abs_difference"] < 1e-2

@@ -163,3 +163,39 @@ def test_patterns_on_cupy_arrays():
     want = cuflash.attention_backward(dout, q, k, v, expected, expected_lse, score_mod_grads=(slopes,),
                                       **dict(host_options, score_mod=mods.alibi(slopes)))[-1]
     np.testing.assert_allclose(dslopes.get(), want, rtol=2e-2, atol=1e-2)
+
+
+def test_packed_sequences_and_paged_caches_on_cupy_arrays():
+    """attention_varlen (forward and backward) and attention_paged (a prefill appended into pages, then decoding
+    with the planner's key splits) on CuPy arrays, each sequence held to the float64 reference on its own rows."""
+    import cupy
+    from reference import assert_accurate, assert_grads_accurate
+    from test_paged import gathered, grouped, keys_of, paged_case
+    from test_varlen import packed, sequence
+    queries, keys = [150, 3, 0, 131, 1], [140, 5, 2, 200, 900]
+    q, k, v, cu_q, cu_k = packed(7, queries, keys, (4, 2), 64, 64, np.float16)
+    device = [cupy.asarray(x) for x in (q, k, v)]
+    out, lse = cuflash.attention_varlen(*device, cu_q, cupy.asarray(cu_k), causal=True, return_lse=True)
+    dout = np.random.default_rng(3).standard_normal(out.shape).astype(np.float16)
+    grads = cuflash.attention_varlen_backward(cupy.asarray(dout), *device, out, lse, cu_q, cu_k, causal=True)
+    out, lse, grads = out.get(), lse.get(), [g.get() for g in grads]
+    for s in range(len(queries)):
+        if queries[s]:
+            q_s, k_s, v_s = sequence(q, cu_q, s, 2), sequence(k, cu_k, s), sequence(v, cu_k, s)
+            assert_accurate(sequence(out, cu_q, s, 2), q_s, k_s, v_s, lse=sequence(lse, cu_q, s, 2), causal=True)
+            assert_grads_accurate((sequence(grads[0], cu_q, s, 2), sequence(grads[1], cu_k, s),
+                                   sequence(grads[2], cu_k, s)), sequence(dout, cu_q, s, 2), q_s, k_s, v_s,
+                                  causal=True)
+    for size, new, queries_ in ((16, 130, 130), (16, 1, 1), (7, 1, 1)):
+        q, k_cache, v_cache, table, cached, k_new, v_new = paged_case(5, size, [3000, 37, 0], new, queries_, (8, 2),
+                                                                      128, 128, np.float16)
+        caches = [cupy.asarray(x) for x in (k_cache, v_cache)]
+        out, lse = cuflash.attention_paged(cupy.asarray(q), *caches, cupy.asarray(table), cached,
+                                           k_new=cupy.asarray(k_new), v_new=cupy.asarray(v_new), causal=True,
+                                           return_lse=True)
+        k_cache, v_cache, out, lse = caches[0].get(), caches[1].get(), out.get(), lse.get()
+        for b, c in enumerate(cached):
+            m = c + new
+            assert_accurate(grouped(out[b], 4), grouped(q[b], 4), keys_of(gathered(k_cache, table, b, m)),
+                            keys_of(gathered(v_cache, table, b, m)), lse=grouped(lse[b][..., None], 4)[..., 0],
+                            causal=True)
