@@ -182,6 +182,9 @@ def checked_key_counts(xp, k_cache, pages, new):
                       bad.sum(), xp.argmax(bad) if bad.size else zero])
     least, longest, wrong, first = (int(f) for f in (facts if xp is np else facts.get()))
     capacity = table.shape[1] * size
+    if capacity >= 2**31:
+        raise ValueError(f"{NAME}: block_table's {table.shape[1]} pages of {size} rows would give a sequence 2^31 "
+                         f"keys or more; give it fewer pages per row")
     if least < 0:
         raise ValueError(f"{NAME}: cache_seqlens must be 0 or more, got {least}")
     if longest > capacity:

@@ -199,9 +199,11 @@ def test_decoding_splits_the_keys_and_merges_them(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_into_pages_on_the_planners_tiles(backend):
     """Many new queries appended to caches (a prefill): the planner's tensor-core kernel walks pages of 8 rows
-    (smaller than its key tiles) and of 64, causal; and without a mask over a longer cache, whose full tiles run
-    in its steady loop (each row's page found by the unrolled copies)."""
-    for size, cached, causal in ((8, [30, 0], True), (64, [30, 0], True), (8, [300, 5], False)):
+    (smaller than its key tiles) and of 64, causal; and without a mask over longer caches, whose full tiles run in
+    its steady loop: through the general copy, row by row, for pages of 8, through the chunk loaders, a tile from
+    its page at a time, for pages of 128 (whole tiles)."""
+    for size, cached, causal in ((8, [30, 0], True), (64, [30, 0], True), (8, [300, 5], False),
+                                 (128, [300, 5], False)):
         q, k_cache, v_cache, table, lengths, k_new, v_new = paged_case(5, size, cached, 130, 130, (4, 2), 64, 64,
                                                                        np.float16)
         out, lse = run(backend, q, k_cache, v_cache, table, lengths, k_new, v_new, causal=causal)

@@ -64,7 +64,7 @@ using PagesOf = typename Select<kPaged, PageWalk, Unpaged>::type;
 __device__ __forceinline__ bool walks(const PageWalk& pages) { return pages.table != nullptr; }
 __device__ __forceinline__ bool walks(Unpaged) { return false; }
 __device__ __forceinline__ PageWalk starting(const PageWalk& pages, long long r0) {
-    return {pages.table, pages.size, pages.stride, r0};
+    return {pages.table, pages.stride, pages.size, (unsigned)r0};
 }
 __device__ __forceinline__ Unpaged starting(Unpaged, long long) { return {}; }
 
@@ -83,6 +83,10 @@ template <typename T> struct TileSource {
     // the pages, if any.
     __device__ __forceinline__ const T* copy_from(long long r0) const { return walks(pages) ? at : rows(r0); }
     __device__ __forceinline__ PagesOf walk_from(long long r0) const { return starting(pages, r0); }
+    // Row r's first element, in its page where the source is paged.
+    __device__ __forceinline__ const T* row_pointer(long long r) const {
+        return row_at(copy_from(r), 0, row, walk_from(r));
+    }
 };
 
 // Rows [r0, r0 + rows) of src into a shared tile of Rows x Cols (pitch LD), zero past them: synchronous loads, or
@@ -142,11 +146,18 @@ template <typename P>
 __device__ __forceinline__ auto key_source(const P& p, const BlockOperands& ops, Operand x) {
     auto src = x == kK ? ops.source(p.k, kK, p.d, p.flags, kVectorK) : ops.source(p.v, kV, p.e, p.flags, kVectorV);
     if constexpr (kPaged) {
-        const long long s = batch_item() / p.sequence_items;
-        src.pages = {p.pages.table + s * p.pages.table_stride, p.pages.size,
-                     x == kK ? p.pages.stride_k : p.pages.stride_v, 0};
+        const unsigned s = (unsigned)batch_item() / (unsigned)p.sequence_items;  // the grid holds < 2^32 items
+        src.pages = {p.pages.table + s * p.pages.table_stride, x == kK ? p.pages.stride_k : p.pages.stride_v,
+                     (unsigned)p.pages.size, 0u};
     }
     return src;
+}
+
+// Whether every whole tile of B keys from `begin` on lies in one page (always where nothing is paged): the chunk
+// loaders then take paged tiles too, each from its page.
+template <int B, typename P> __device__ __forceinline__ bool tiles_in_pages(const P& p, long long begin) {
+    if constexpr (kPaged) return p.pages.size % B == 0 && begin % B == 0;
+    else return true;
 }
 
 // The operands indexed by query row, and those indexed by key (a packed sequence's rows start at its offsets).

@@ -102,7 +102,8 @@ struct FwdMmaBlock {
     __device__ __forceinline__ static Sweep sweep_of(const Params<T, O>& p) {
         const BlockOperands ops = query_block<Br, Bc, Split>(p);
         const bool positive_scale = p.scale_log2 > Acc(0) && p.scale_log2 < infinity<Acc>();
-        const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(key_source(p, ops, kK), key_source(p, ops, kV));
+        const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(key_source(p, ops, kK), key_source(p, ops, kV)) &&
+                                 tiles_in_pages<Bc>(p, ops.keys.begin);
         const TileRange plain = plain_tiles<Br, Bc, false>(ops, p.left, p.right, positive_scale);
         return {ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages,
                                      visited<Bc>(p, ops.queries.begin / Br, ops.keys))};
@@ -145,21 +146,30 @@ struct FwdMmaBlock {
         return ops.keys.begin + (long long)order.plain.lo * Bc;
     }
 
-    // K_j and V_j of key tile `tile` into pipeline stage `stage` (hop: StageRing's, for the chunk loaders). Paged
-    // keys take the general copy, which finds each row's page (Whole: a full tile, its copies unrolled: the steady
-    // tiles' in place of the chunk loaders, whose pointers cannot follow the pages).
-    template <bool Whole = false> __device__ __forceinline__ void load_kv(int tile, int stage, int hop) {
-        if (!kPaged && order.chunked(tile)) {
-            K_load.next(hop);
-            V_load.next(hop);
+    // K_j and V_j of key tile `tile` into pipeline stage `stage` (hop: StageRing's, for the chunk loaders). The
+    // general copy finds each row's page where the keys are paged.
+    __device__ __forceinline__ void load_kv(int tile, int stage, int hop) {
+        if (order.chunked(tile)) {
+            next_chunks(tile, hop);
             return;
         }
         const long long j0 = ops.keys.begin + (long long)tile * Bc;
-        const int cols = Whole ? Bc : (int)min_ll(Bc, ops.keys.end - j0);
-        load_rows_async<T, Bc, D, Smem::LDK, Threads, Whole>(K_s + stage * Bc * Smem::LDK, key_source(p, ops, kK), j0,
-                                                            cols);
-        load_rows_async<T, Bc, E, Smem::LDV, Threads, Whole>(V_s + stage * Bc * Smem::LDV, key_source(p, ops, kV), j0,
-                                                            cols);
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        load_rows_async<T, Bc, D, Smem::LDK, Threads>(K_s + stage * Bc * Smem::LDK, key_source(p, ops, kK), j0, cols);
+        load_rows_async<T, Bc, E, Smem::LDV, Threads>(V_s + stage * Bc * Smem::LDV, key_source(p, ops, kV), j0, cols);
+    }
+
+    // A chunked tile through the chunk loaders: paged, each from its page's first row of the tile (every chunked
+    // tile lies in one page: tiles_in_pages), else from where the last one ended.
+    __device__ __forceinline__ void next_chunks(int tile, int hop) {
+        if constexpr (kPaged) {
+            const long long j0 = ops.keys.begin + (long long)tile * Bc;
+            K_load.next_from(key_source(p, ops, kK).row_pointer(j0), hop);
+            V_load.next_from(key_source(p, ops, kV).row_pointer(j0), hop);
+        } else {
+            K_load.next(hop);
+            V_load.next(hop);
+        }
     }
 
     // Q_i is the first cp.async group, the first Stages - 1 key tiles the next ones; then Q_i's fragments (float:
@@ -200,11 +210,8 @@ struct FwdMmaBlock {
     template <bool Steady> __device__ __forceinline__ void begin_tile() {
         ptx::cp_async_wait<Stages - 2>();
         __syncthreads();
-        if (Steady && kPaged) {
-            load_kv<true>(order.at(t + Stages - 1), ring.before(), ring.hop_before());
-        } else if (Steady) {
-            K_load.next(ring.hop_before());
-            V_load.next(ring.hop_before());
+        if (Steady) {
+            next_chunks(order.at(t + Stages - 1), ring.hop_before());
         } else if (t + Stages - 1 < order.tiles) {
             load_kv(order.at(t + Stages - 1), ring.before(), ring.hop_before());
         }

@@ -106,6 +106,7 @@ struct ChunkLoader {
     int step;             // elements between its chunks (PerThread steps between tiles)
     ptx::SharedAddr dst;  // where that chunk goes: in the stage of the next tile
     int bytes;            // bytes read per chunk: 16, or 0 where its column lies past the operand's width
+    int offset;           // elements from a tile's first row to this thread's first chunk (next_from)
 
     __device__ __forceinline__ static bool usable(long long row_stride) {
         constexpr long long kMost = 0x7fffffffLL / Rows;
@@ -117,6 +118,7 @@ struct ChunkLoader {
         const int c = threadIdx.x % ChunksPerRow * kChunk;
         bytes = c < cols ? 16 : 0;
         src = first_row + r * row_stride + (bytes ? c : 0);
+        offset = (int)(src - first_row);
         step = (int)(Step * row_stride);
         dst = ptx::shared_addr(tile + r * LD + c);
     }
@@ -127,6 +129,11 @@ struct ChunkLoader {
         for (int s = 0; s < PerThread; ++s) ptx::cp_async_cg16(dst + s * kStepBytes, src + (long long)step * s, bytes);
         src += (long long)step * PerThread;
         dst = dst + hop * kStageBytes;
+    }
+    // The same for the tile whose first row is at `first_row` (a paged operand's: the whole tile in one page).
+    __device__ __forceinline__ void next_from(const T* first_row, int hop) {
+        src = first_row + offset;
+        next(hop);
     }
 };
 

@@ -308,8 +308,9 @@ __device__ __forceinline__ int chunk_row(int idx) {
 struct Unpaged {};
 struct PageWalk {
     const long long* table;  // the sequence's page ids (null: the operand is not paged)
-    long long size, stride;  // rows per page, elements from one page to the next
-    long long r0;            // the tile's first row
+    long long stride;        // elements from one page to the next
+    unsigned size, r0;       // rows per page, the tile's first row (a sequence's keys stay below 2^31: the front
+                             // door checks; 32-bit division costs a fraction of 64-bit's, once per row copied)
 };
 template <typename T>
 __device__ __forceinline__ const T* row_at(const T* src, int r, long long row_stride, Unpaged) {
@@ -318,8 +319,8 @@ __device__ __forceinline__ const T* row_at(const T* src, int r, long long row_st
 template <typename T>
 __device__ __forceinline__ const T* row_at(const T* src, int r, long long row_stride, const PageWalk& walk) {
     if (walk.table == nullptr) return src + r * row_stride;
-    const long long x = walk.r0 + r;
-    return src + walk.table[x / walk.size] * walk.stride + x % walk.size * row_stride;
+    const unsigned x = walk.r0 + (unsigned)r, page = x / walk.size;
+    return src + walk.table[page] * walk.stride + (long long)(x - page * walk.size) * row_stride;
 }
 
 // src (global memory) and dst (shared memory) never alias: __restrict__ lets the loads take the read-only path.
