@@ -173,8 +173,8 @@ def case_clean_patterns():
                 assert_accurate(out, q, k, v, lse=lse, causal=True, mask=ids[:37, None] == ids[None, :])
             dout = rng.standard_normal(out.shape).astype(dtype)
             cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, backend="simt", block=block, **options)
-    try:
-        cuflash.attention(q, k, v, mask_mod=lambda b, i, j: ids[i + j] < 2, backend="simt", block=block)
+    try:  # a score_mod's read: the kernels flag it (a mask_mod's would be found building its block mask)
+        cuflash.attention(q, k, v, score_mod=lambda s, b, i, j: s + ids[i + j], backend="simt", block=block)
     except IndexError:
         pass
     else:
