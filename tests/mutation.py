@@ -300,7 +300,7 @@ MUTANTS = (
     m("bwd-dq-prefetch-in-use",
       [("load_kv_async(key_start(t + 1), stage ^ 1);",
         "load_kv_async(key_start(t + 1), stage);",
-        "bwd_dq(const Params")],
+        "struct DqBlock {")],
       [BWD_SIMT],
       "dQ's two stages: the next key tile's K and V copied over the tile being computed"),
     m("bwd-dkdv-prefetch-in-use",
