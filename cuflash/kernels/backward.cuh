@@ -100,8 +100,8 @@ __device__ __forceinline__ const RowTerm<Acc>* row_terms_of(const Acc* terms, co
 // the score step as the forward's (Scores), P = exp2(s - lse_i log2 e), and dS through score_mod by its slope.
 // Returns whether the pair is visible; a hidden pair gets P = 0 and dS = 0 by selection (a NaN in its key or value
 // row never enters them). plain: a full tile without bias (every pair of the block's rows visible), scaled and
-// nothing else. The kernels call their element loop (a lambda) with plain a constant at each call, so it is
-// compiled once per kind of tile.
+// nothing else. The CUDA-core blocks call their element loop (gradients) with plain a constant at each call, so it
+// is compiled once per kind of tile.
 template <typename A>
 __device__ __forceinline__ bool score_gradient(bool plain, A S, A dP, RowTerm<A> t, const Scores<A>& scores,
                                                long long i, long long j, int jj, int cols, bool partial, A& p,
@@ -139,53 +139,71 @@ __device__ __forceinline__ void store_rows(Acc* dst, const Acc (&G)[R][C], Acc s
     }
 }
 
-template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(const Params<T> p) {
+// One block of bwd_dq, its steps in the order they run (bwd_dq below): Q_i, dO_i and their row terms, loaded once
+// (with two stages the first key tile goes out too); per key tile its K_j and V_j, S = Q_i K_j^T and
+// dP = dO_i V_j^T, P and dS from the row terms (and dbias), dQ_i += dS K_j; the store of dQ_i.
+// The block's view of the launch, its visits, the key and value sources and dQ_i are the kernel function's own
+// locals, which the block refers to: held in the struct by value they are one object to the compiler, and the
+// key-tile loop it makes keeps more address arithmetic (the SASS report's instr and span grow).
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+struct DqBlock {
     using Acc = typename AccOf<T>::type;
     using Smem = BackwardShared<T, Br, Bc, D, E, false, Stages>;
-    constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
-    constexpr int RPT = Br / RG, CPT = Bc / TC, DPT = D / TC;  // rows, key columns, d columns per thread
+    using Tiles = BackwardTiles<T, Smem>;
+    static constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
+    static constexpr int RPT = Br / RG, CPT = Bc / TC, DPT = D / TC;  // rows, key columns, d columns per thread
     static_assert(Br % RG == 0 && Bc % TC == 0 && D % TC == 0 && E % TC == 0, "unsupported tile shape");
     static_assert(Stages == 1 || Stages == 2, "K and V in one stage, or two (the next tile's in flight)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     static_assert(Stages == 1, "cp.async (two stages) needs compute capability 8.0 or newer");
 #endif
+    using Grad = Acc[RPT][DPT];
 
-    extern __shared__ __align__(16) unsigned char smem[];
-    const BackwardTiles<T, Smem> s(smem);
-    if (!in_batch(p)) return;
-    const BlockOperands ops = query_block<Br, Bc, false>(p);
-    const Visited visits = visited<Bc>(p, ops.queries.begin / Br, ops.keys);  // the key tiles it visits
-    const TileSource<T> K = ops.source(p.k, kK, p.d, p.flags, kVectorK),
-                        V = ops.source(p.v, kV, p.e, p.flags, kVectorV);
-    const long long i0 = ops.queries.begin;
-    const int rows = ops.queries.size();
-    const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
+    const Params<T>& p;
+    unsigned char* const smem;
+    const Tiles s;  // K and V: stage 0's
+    const BlockOperands& ops;
+    const Visited& visits;  // the key tiles it visits
+    const TileSource<T>& K;
+    const TileSource<T>& V;
+    const long long i0;
+    const int rows, tx, ty;
+    Grad& dQ;
 
-    load_rows<T, Br, D, Smem::LDD, Threads>(s.Q, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
-    load_rows<T, Br, E, Smem::LDE, Threads>(s.dO, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0, rows);
-    load_row_terms<Br, Threads, false>(s.terms, row_terms_of(p.terms, ops.base), i0, rows);
+    __device__ __forceinline__ DqBlock(const Params<T>& params, unsigned char* shared, const BlockOperands& view,
+                                       const Visited& tiles, const TileSource<T>& k_source,
+                                       const TileSource<T>& v_source, Grad& dq)
+        : p(params), smem(shared), s(smem), ops(view), visits(tiles), K(k_source), V(v_source), i0(ops.queries.begin),
+          rows(ops.queries.size()), tx(threadIdx.x % TC), ty(threadIdx.x / TC), dQ(dq) {}
+
+    // Q_i, dO_i and their row terms stay for the whole sweep: loaded once, here (they land by the first tile's
+    // barrier). With two stages the first key tile's copies go out too.
+    __device__ __forceinline__ void start() {
+        load_rows<T, Br, D, Smem::LDD, Threads>(s.Q, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
+        load_rows<T, Br, E, Smem::LDE, Threads>(s.dO, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0, rows);
+        load_row_terms<Br, Threads, false>(s.terms, row_terms_of(p.terms, ops.base), i0, rows);
+        if constexpr (Stages == 2)
+            if (visits.tiles > 0) load_kv_async(key_start(0), 0);
+        zero(dQ);
+    }
+
+    // The first key of visit t's tile.
+    __device__ __forceinline__ long long key_start(int t) const {
+        return ops.keys.begin + (long long)visits.tile(t) * Bc;
+    }
 
     // Two stages: the next key tile's K and V are copied (cp.async) into the other stage while this one is computed.
-    const auto load_kv_async = [&](long long j0, int stage) {
-        const BackwardTiles<T, Smem> swept(smem, stage);
+    __device__ __forceinline__ void load_kv_async(long long j0, int stage) const {
+        const Tiles swept(smem, stage);
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         load_rows_async<T, Bc, D, Smem::LDD, Threads, true>(swept.K, K, j0, cols);
         load_rows_async<T, Bc, E, Smem::LDE, Threads, true>(swept.V, V, j0, cols);
         ptx::cp_async_commit();
-    };
-    const auto key_start = [&](int t) { return ops.keys.begin + (long long)visits.tile(t) * Bc; };
-    if constexpr (Stages == 2)
-        if (visits.tiles > 0) load_kv_async(key_start(0), 0);
+    }
 
-    Acc dQ[RPT][DPT];
-    zero(dQ);
-    int stage = 0;
-    for (int t = 0; t < visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) {
-        const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end, visits.whole(t));
-        const long long j0 = key_start(t);
-        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        const BackwardTiles<T, Smem> swept(smem, stage);  // this key tile's K and V
+    // K_j and V_j of visit t (keys [j0, j0 + cols)) in shared memory for every thread: with two stages they were in
+    // flight, and the next tile's go out once every thread is done with the stage they take; with one, loaded here.
+    __device__ __forceinline__ void load_kv(int t, long long j0, int cols, int stage) const {
         if constexpr (Stages == 2) {
             ptx::cp_async_wait<0>();
             __syncthreads();  // K and V landed (at the first: Q, dO, the row terms too); the last tile's K, P, dS read
@@ -196,95 +214,159 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(const Params<T> p) {
             load_rows<T, Bc, E, Smem::LDE, Threads>(s.V, V, j0, cols);
             __syncthreads();
         }
+    }
 
-        Acc S[RPT][CPT], dP[RPT][CPT];
+    // S = Q_i K_j^T and dP = dO_i V_j^T, the lane's columns of its rows, from the tiles in shared memory.
+    __device__ __forceinline__ void products(Acc (&S)[RPT][CPT], Acc (&dP)[RPT][CPT], const Tiles& swept) const {
         zero(S);
         zero(dP);
         tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.Q, swept.K, (int)p.d, ty, tx);
         tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.dO, swept.V, (int)p.e, ty, tx);
+    }
 
-        const bool partial = scores.partial(i0, rows, j0, cols, Bc);
-        auto gradients = [&](const bool plain) {  // plain: a full tile without bias (so without a dbias to write)
+    // P and dS of each pair from its row's terms (score_gradient), into shared memory to be read by rows (a hidden
+    // pair's P as hidden_p), and dbias = dS where asked. plain: a full tile without bias (so without a dbias to
+    // write); key_tile passes a constant, so each kind of tile is compiled apart.
+    __device__ __forceinline__ void gradients(const bool plain, const Acc (&S)[RPT][CPT], const Acc (&dP)[RPT][CPT],
+                                              const Scores<Acc>& scores, long long j0, int cols, bool partial) const {
 #pragma unroll
-            for (int a = 0; a < RPT; ++a) {
-                const int r = ty + RG * a;
-                const long long i = i0 + r;
-                const RowTerm<Acc> t = s.terms[r];
+        for (int a = 0; a < RPT; ++a) {
+            const int r = ty + RG * a;
+            const long long i = i0 + r;
+            const RowTerm<Acc> t = s.terms[r];
 #pragma unroll
-                for (int c = 0; c < CPT; ++c) {
-                    const int jj = tx + TC * c;
-                    Acc p_ij, ds;
-                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], t, scores, i, j0 + jj, jj, cols,
-                                                        partial, p_ij, ds);
-                    s.P[r * Smem::LDP + jj] = visible ? p_ij : hidden_p<Acc>();
-                    s.dS[r * Smem::LDP + jj] = ds;
-                    if (!plain && (p.flags & kWantDbias) && r < rows && jj < cols)
-                        ops.row_of(p.dbias, kDbias, i)[(j0 + jj) * ops.strides(kDbias).col] = ds;
-                }
+            for (int c = 0; c < CPT; ++c) {
+                const int jj = tx + TC * c;
+                Acc p_ij, ds;
+                const bool visible = score_gradient(plain, S[a][c], dP[a][c], t, scores, i, j0 + jj, jj, cols,
+                                                    partial, p_ij, ds);
+                s.P[r * Smem::LDP + jj] = visible ? p_ij : hidden_p<Acc>();
+                s.dS[r * Smem::LDP + jj] = ds;
+                if (!plain && (p.flags & kWantDbias) && r < rows && jj < cols)
+                    ops.row_of(p.dbias, kDbias, i)[(j0 + jj) * ops.strides(kDbias).col] = ds;
             }
-        };
-        if (!partial && !ops.has_bias)
-            gradients(true);
-        else
-            gradients(false);
+        }
+    }
+
+    // dQ_i += dS K_j, once every lane has written its P and dS: dS by rows from shared memory, hidden keys skipped
+    // on partial tiles (P's hidden_p marks them).
+    __device__ __forceinline__ void add_dq(const Tiles& swept, int cols, bool partial) {
         __syncthreads();
         weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dQ, s.dS, s.P, swept.K, cols, partial, ty, tx);
     }
-    store_rows<T, RPT, DPT, RG>(ops.row_of(p.dq, kDq, i0), dQ, p.scale, ops.strides(kDq).row, ops.strides(kDq).col,
-                                rows, p.d, ty, tx);
-}
+
+    // One key tile (visit t, its K_j and V_j in `stage`): S and dP, P and dS, dQ_i.
+    __device__ __forceinline__ void key_tile(int t, int stage) {
+        const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end, visits.whole(t));
+        const long long j0 = key_start(t);
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        const Tiles swept(smem, stage);  // this key tile's K and V
+        load_kv(t, j0, cols, stage);
+        Acc S[RPT][CPT], dP[RPT][CPT];
+        products(S, dP, swept);
+        const bool partial = scores.partial(i0, rows, j0, cols, Bc);
+        if (!partial && !ops.has_bias)
+            gradients(true, S, dP, scores, j0, cols, partial);
+        else
+            gradients(false, S, dP, scores, j0, cols, partial);
+        add_dq(swept, cols, partial);
+    }
+
+    // dq = scale dQ_i (the sweep leaves the softmax scale out of dS).
+    __device__ __forceinline__ void store() const {
+        store_rows<T, RPT, DPT, RG>(ops.row_of(p.dq, kDq, i0), dQ, p.scale, ops.strides(kDq).row,
+                                    ops.strides(kDq).col, rows, p.d, ty, tx);
+    }
+};
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_dq(const Params<T> p) {
+    using Block = DqBlock<T, Br, Bc, D, E, Warps, Stages>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    if (!in_batch(p)) return;
+    const BlockOperands ops = query_block<Br, Bc, false>(p);
+    const Visited visits = visited<Bc>(p, ops.queries.begin / Br, ops.keys);
+    const TileSource<T> K = ops.source(p.k, kK, p.d, p.flags, kVectorK),
+                        V = ops.source(p.v, kV, p.e, p.flags, kVectorV);
+    typename Block::Grad dQ;
+    Block block(p, smem, ops, visits, K, V, dQ);
+    block.start();
+    int stage = 0;  // K_j's and V_j's buffer
+    for (int t = 0; t < visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) block.key_tile(t, stage);
+    block.store();
+}
+
+// One block of bwd_dkdv, its steps in the order they run (bwd_dkdv below): K_j and V_j, loaded once (with two
+// stages the first query tile goes out too); per query tile its Q_i, dO_i and row terms, S^T = K_j Q_i^T and
+// dP^T = V_j dO_i^T, P^T and dS^T from the row terms, dV_j += P^T dO_i and dK_j += dS^T Q_i; the store of dK_j and
+// dV_j. Its own rows are keys and the swept columns queries: S, dP, P and dS are transposed. As in DqBlock, the
+// view, visits, swept sources and gradients are the kernel function's locals, which the block refers to.
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+struct DkdvBlock {
     using Acc = typename AccOf<T>::type;
     using Smem = BackwardShared<T, Br, Bc, D, E, true, Stages>;
-    constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
-    constexpr int RPT = Bc / RG, CPT = Br / TC, DPT = D / TC, EPT = E / TC;  // keys, query columns, d, e per thread
+    using Tiles = BackwardTiles<T, Smem>;
+    static constexpr int Threads = Warps * 32, TC = kLanesPerRow, RG = Threads / TC;
+    static constexpr int RPT = Bc / RG, CPT = Br / TC, DPT = D / TC, EPT = E / TC;  // keys, query columns, d, e
     static_assert(Bc % RG == 0 && Br % TC == 0 && D % TC == 0 && E % TC == 0, "unsupported tile shape");
     static_assert(Stages == 1 || Stages == 2, "Q and dO in one stage, or two (the next tile's in flight)");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
     static_assert(Stages == 1, "cp.async (two stages) needs compute capability 8.0 or newer");
 #endif
+    using DGrad = Acc[RPT][DPT];
+    using EGrad = Acc[RPT][EPT];
 
-    extern __shared__ __align__(16) unsigned char smem[];
-    const BackwardTiles<T, Smem> s(smem);
-    if (!in_batch(p)) return;
-    const BlockOperands ops = key_block<Bc, Br>(p);  // the queries that see its keys: the swept tiles
-    const Visited visits = visited<Br>(p, ops.keys.begin / Bc, ops.queries);  // the query tiles it visits
-    const TileSource<T> Q = ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
-                        dO = ops.source(p.dout, kDout, p.e, p.flags, kVectorDout);
-    const RowTerm<Acc>* const terms_b = row_terms_of(p.terms, ops.base);
-    const long long j0 = ops.keys.begin;
-    const int keys = ops.keys.size();
-    const int tx = threadIdx.x % TC, ty = threadIdx.x / TC;
+    const Params<T>& p;
+    unsigned char* const smem;
+    const Tiles s;             // Q, dO and the row terms: stage 0's
+    const BlockOperands& ops;  // the queries that see its keys: the swept tiles
+    const Visited& visits;     // the query tiles it visits
+    const TileSource<T>& Q;
+    const TileSource<T>& dO;
+    const RowTerm<Acc>* const terms_b;  // the batch item's row terms
+    const long long j0;
+    const int keys, tx, ty;
+    DGrad& dK;
+    EGrad& dV;
 
-    load_rows<T, Bc, D, Smem::LDD, Threads>(s.K, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
-    load_rows<T, Bc, E, Smem::LDE, Threads>(s.V, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
+    __device__ __forceinline__ DkdvBlock(const Params<T>& params, unsigned char* shared, const BlockOperands& view,
+                                         const Visited& tiles, const TileSource<T>& q_source,
+                                         const TileSource<T>& do_source, DGrad& dk, EGrad& dv)
+        : p(params), smem(shared), s(smem), ops(view), visits(tiles), Q(q_source), dO(do_source),
+          terms_b(row_terms_of(p.terms, ops.base)), j0(ops.keys.begin), keys(ops.keys.size()), tx(threadIdx.x % TC),
+          ty(threadIdx.x / TC), dK(dk), dV(dv) {}
+
+    // K_j and V_j stay for the whole sweep: loaded once, here (they land by the first tile's barrier). With two
+    // stages the first query tile's copies go out too.
+    __device__ __forceinline__ void start() {
+        load_rows<T, Bc, D, Smem::LDD, Threads>(s.K, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
+        load_rows<T, Bc, E, Smem::LDE, Threads>(s.V, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
+        if constexpr (Stages == 2)
+            if (visits.tiles > 0) load_queries_async(query_start(0), 0);
+        zero(dK);
+        zero(dV);
+    }
+
+    // The first query of visit t's tile.
+    __device__ __forceinline__ long long query_start(int t) const {
+        return ops.queries.begin + (long long)visits.tile(t) * Br;
+    }
 
     // Two stages: the next query tile's Q, dO and row terms are copied (cp.async) into the other stage while this
     // one is computed.
-    const auto load_queries_async = [&](long long i0, int stage) {
-        const BackwardTiles<T, Smem> swept(smem, stage);
+    __device__ __forceinline__ void load_queries_async(long long i0, int stage) const {
+        const Tiles swept(smem, stage);
         const int rows = (int)min_ll(Br, ops.queries.end - i0);
         load_rows_async<T, Br, D, Smem::LDD, Threads, true>(swept.Q, Q, i0, rows);
         load_rows_async<T, Br, E, Smem::LDE, Threads, true>(swept.dO, dO, i0, rows);
         load_row_terms<Br, Threads, true>(swept.terms, terms_b, i0, rows);
         ptx::cp_async_commit();
-    };
-    const auto query_start = [&](int t) { return ops.queries.begin + (long long)visits.tile(t) * Br; };
-    if constexpr (Stages == 2)
-        if (visits.tiles > 0) load_queries_async(query_start(0), 0);
+    }
 
-    Acc dK[RPT][DPT], dV[RPT][EPT];
-    zero(dK);
-    zero(dV);
-    int stage = 0;
-    for (int t = 0; t < visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) {
-        // Rows past the last swept tile (i >= ops.queries.end) count as rows past n: hidden, whatever the tile.
-        const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end, visits.whole(t));
-        const long long i0 = query_start(t);
-        const int rows = (int)min_ll(Br, ops.queries.end - i0);
-        const BackwardTiles<T, Smem> swept(smem, stage);  // this query tile's Q, dO and row terms
+    // Q_i, dO_i and the row terms of visit t (queries [i0, i0 + rows)) in shared memory for every thread: with two
+    // stages they were in flight, and the next tile's go out once every thread is done with the stage they take;
+    // with one, loaded here.
+    __device__ __forceinline__ void load_queries(int t, long long i0, int rows, int stage) const {
         if constexpr (Stages == 2) {
             ptx::cp_async_wait<0>();
             __syncthreads();  // Q, dO landed (at the first: K and V too); the last tile's Q, dO, P, dS, row terms read
@@ -296,41 +378,88 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
             load_row_terms<Br, Threads, false>(s.terms, terms_b, i0, rows);
             __syncthreads();
         }
+    }
 
-        Acc S[RPT][CPT], dP[RPT][CPT];  // transposed: keys by row, queries by column
+    // S^T = K_j Q_i^T and dP^T = V_j dO_i^T (keys by row, queries by column), the lane's columns of its rows.
+    __device__ __forceinline__ void products(Acc (&S)[RPT][CPT], Acc (&dP)[RPT][CPT], const Tiles& swept) const {
         zero(S);
         zero(dP);
         tile_product<RPT, CPT, RG, Smem::LDD, Smem::LDD>(S, s.K, swept.Q, (int)p.d, ty, tx);
         tile_product<RPT, CPT, RG, Smem::LDE, Smem::LDE>(dP, s.V, swept.dO, (int)p.e, ty, tx);
+    }
 
-        const bool partial = scores.partial(i0, rows, j0, keys, Bc);
-        auto gradients = [&](const bool plain) {  // plain: a full tile (every query of it too) without bias
+    // P^T and dS^T of each pair from its query's terms (score_gradient), into shared memory to be read by rows (a
+    // hidden pair's P as hidden_p). plain: a full tile (every query of it too) without bias; query_tile passes a
+    // constant, so each kind of tile is compiled apart.
+    __device__ __forceinline__ void gradients(const bool plain, const Acc (&S)[RPT][CPT], const Acc (&dP)[RPT][CPT],
+                                              const Tiles& swept, const Scores<Acc>& scores, long long i0,
+                                              bool partial) const {
 #pragma unroll
-            for (int a = 0; a < RPT; ++a) {
-                const int r = ty + RG * a;
+        for (int a = 0; a < RPT; ++a) {
+            const int r = ty + RG * a;
 #pragma unroll
-                for (int c = 0; c < CPT; ++c) {
-                    const int ii = tx + TC * c;
-                    Acc p_ij, ds;
-                    const bool visible = score_gradient(plain, S[a][c], dP[a][c], swept.terms[ii], scores, i0 + ii,
-                                                        j0 + r, r, keys, partial, p_ij, ds);
-                    s.P[r * Smem::LDP + ii] = visible ? p_ij : hidden_p<Acc>();
-                    s.dS[r * Smem::LDP + ii] = ds;
-                }
+            for (int c = 0; c < CPT; ++c) {
+                const int ii = tx + TC * c;
+                Acc p_ij, ds;
+                const bool visible = score_gradient(plain, S[a][c], dP[a][c], swept.terms[ii], scores, i0 + ii,
+                                                    j0 + r, r, keys, partial, p_ij, ds);
+                s.P[r * Smem::LDP + ii] = visible ? p_ij : hidden_p<Acc>();
+                s.dS[r * Smem::LDP + ii] = ds;
             }
-        };
-        if (!partial && !ops.has_bias && rows == Br)
-            gradients(true);
-        else
-            gradients(false);
+        }
+    }
+
+    // dV_j += P^T dO_i and dK_j += dS^T Q_i, once every lane has written its P and dS: both by rows from shared
+    // memory, hidden queries skipped on partial tiles (P's hidden_p marks them).
+    __device__ __forceinline__ void add_dv_dk(const Tiles& swept, int rows, bool partial) {
         __syncthreads();
         weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDE>(dV, s.P, s.P, swept.dO, rows, partial, ty, tx);
         weighted_rows<RPT, DPT, RG, Smem::LDP, Smem::LDD>(dK, s.dS, s.P, swept.Q, rows, partial, ty, tx);
     }
-    store_rows<T, RPT, DPT, RG>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row, ops.strides(kDk).col,
-                                keys, p.d, ty, tx);
-    store_rows<T, RPT, EPT, RG>(ops.row_of(p.dv, kDv, j0), dV, Acc(1), ops.strides(kDv).row, ops.strides(kDv).col,
-                                keys, p.e, ty, tx);
+
+    // One query tile (visit t, its Q_i, dO_i and row terms in `stage`): S^T and dP^T, P^T and dS^T, dV_j and dK_j.
+    __device__ __forceinline__ void query_tile(int t, int stage) {
+        // Rows past the last swept tile (i >= ops.queries.end) count as rows past n: hidden, whatever the tile.
+        const Scores<Acc> scores = Scores<Acc>::of(ops, p, ops.queries.end, visits.whole(t));
+        const long long i0 = query_start(t);
+        const int rows = (int)min_ll(Br, ops.queries.end - i0);
+        const Tiles swept(smem, stage);  // this query tile's Q, dO and row terms
+        load_queries(t, i0, rows, stage);
+        Acc S[RPT][CPT], dP[RPT][CPT];
+        products(S, dP, swept);
+        const bool partial = scores.partial(i0, rows, j0, keys, Bc);
+        if (!partial && !ops.has_bias && rows == Br)
+            gradients(true, S, dP, swept, scores, i0, partial);
+        else
+            gradients(false, S, dP, swept, scores, i0, partial);
+        add_dv_dk(swept, rows, partial);
+    }
+
+    // dk = scale dK_j (the sweep leaves the softmax scale out of dS), dv = dV_j.
+    __device__ __forceinline__ void store() const {
+        store_rows<T, RPT, DPT, RG>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row,
+                                    ops.strides(kDk).col, keys, p.d, ty, tx);
+        store_rows<T, RPT, EPT, RG>(ops.row_of(p.dv, kDv, j0), dV, Acc(1), ops.strides(kDv).row,
+                                    ops.strides(kDv).col, keys, p.e, ty, tx);
+    }
+};
+
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_dkdv(const Params<T> p) {
+    using Block = DkdvBlock<T, Br, Bc, D, E, Warps, Stages>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    if (!in_batch(p)) return;
+    const BlockOperands ops = key_block<Bc, Br>(p);
+    const Visited visits = visited<Br>(p, ops.keys.begin / Bc, ops.queries);
+    const TileSource<T> Q = ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
+                        dO = ops.source(p.dout, kDout, p.e, p.flags, kVectorDout);
+    typename Block::DGrad dK;
+    typename Block::EGrad dV;
+    Block block(p, smem, ops, visits, Q, dO, dK, dV);
+    block.start();
+    int stage = 0;  // Q_i's, dO_i's and the row terms' buffer
+    for (int t = 0; t < visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) block.query_tile(t, stage);
+    block.store();
 }
 
 }  // namespace cuflash

@@ -169,6 +169,11 @@ __device__ __forceinline__ void plain_gradient(float S, float dP, float shift, f
     ds = p * (dP - delta_i);
 }
 
+// A thread's place in its block: its warp, its lane, and the lane's row and column in its quad (the fragments').
+struct Place {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
+};
+
 template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]) {
 #pragma unroll
     for (int a = 0; a < R; ++a)
@@ -178,30 +183,29 @@ template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]
             for (int y = 0; y < 4; ++y) x[a][c][y] = 0.0f;
 }
 
-// A backward block's sweep in SweepOrder: visit(tile, stage, steady, whole) for each visit (whole: the block mask
-// shows the tile whole), the steady ones in a loop of their own (steady a Steady<true>: compiled apart), the others
-// after it. load(tile, stage, hop, steady) issues a swept tile's copies into `stage` and commits them (hop: the
-// stages from there to the next tile's, StageRing; steady: the tile is a chunk loaders' one, no need to ask): with
-// two stages one visit ahead, into the stage the last visit used; with one at the visit, once every warp is done
-// with the last.
-template <int Stages, typename Load, typename Visit>
-__device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visit&& visit) {
+// A backward block's sweep in SweepOrder: block.visit(tile, stage, steady, whole) for each visit (whole: the block
+// mask shows the tile whole), the steady ones in a loop of their own (steady a Steady<true>: compiled apart), the
+// others after it. block.load(tile, stage, hop, steady) issues a swept tile's copies into `stage` and commits them
+// (hop: the stages from there to the next tile's, StageRing; steady: the tile is a chunk loaders' one, no need to
+// ask): with two stages one visit ahead, into the stage the last visit used; with one at the visit, once every warp
+// is done with the last.
+template <int Stages, typename Block> __device__ __forceinline__ void sweep(const SweepOrder& order, Block& block) {
     static_assert(Stages == 1 || Stages == 2, "the swept tiles in one stage, or two (the next one's in flight)");
     StageRing<Stages> ring;
     const auto step = [&](const int t, auto steady) {
         const int tile = decltype(steady)::value ? order.plain.lo + t : order.at(t);
         if (Stages == 1) {
             __syncthreads();  // every warp is done with the last visit's tile
-            load(tile, 0, 0, steady);
+            block.load(tile, 0, 0, steady);
         }
         ptx::cp_async_wait<0>();
         __syncthreads();  // the tile has landed; with two stages, every warp is done with the last visit's
         // (a steady visit always has a next tile: the one its prefetch is chunked for)
         if (Stages == 2 && (decltype(steady)::value || t + 1 < order.tiles))
-            load(order.at(t + 1), ring.before(), ring.hop_before(), steady);
-        visit(tile, ring.stage, steady, order.whole(t));
+            block.load(order.at(t + 1), ring.before(), ring.hop_before(), steady);
+        block.visit(tile, ring.stage, steady, order.whole(t));
     };
-    if (Stages == 2 && order.tiles > 0) load(order.at(0), 0, 1, Steady<false>{});
+    if (Stages == 2 && order.tiles > 0) block.load(order.at(0), 0, 1, Steady<false>{});
     int t = 0;
     if constexpr (kPlainTiles)
         for (; t < order.steady; ++t, ring.advance()) step(t, Steady<true>{});
@@ -210,22 +214,29 @@ __device__ __forceinline__ void sweep(const SweepOrder& order, Load&& load, Visi
 
 }  // namespace mma
 
-template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p) {
+// One block of bwd_mma_dkdv, its steps in the order they run (bwd_mma_dkdv below): the block's view and sweep (made
+// by one thread, read from shared memory); K_j and V_j in flight; per query tile (mma::sweep) its Q_i, dO_i and row
+// terms, S^T = K_j Q_i^T and dP^T = V_j dO_i^T, P^T and dS^T from the row terms, dV_j += P^T dO_i and
+// dK_j += dS^T Q_i; the store of dK_j and dV_j. Its own rows are keys, split among the warps, and the swept columns
+// queries: S, dP, P and dS are transposed. The chunk loaders and the gradients are the kernel function's own locals,
+// which the block refers to (as the CUDA-core DkdvBlock does: held by value they would be one object with the rest,
+// and the compiler would make a worse loop of it).
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+struct MmaDkdvBlock {
     using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, true, Stages>;  // its static_asserts: the tile shapes
-    constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Br / 8, DT = D / 8, ET = E / 8;
-
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
-    const MmaBackwardTiles<T, Smem> s(smem, warp);
-    if (!in_batch(p)) return;
-    // The block's view of the launch (its keys, and the queries that see them: the swept tiles) and its sweep.
-    // The plain query tiles see every key of the block, with neither mask nor bias (plain_tiles). Whole query
-    // tiles of 16-byte rows from the first plain one on come through each thread's chunk loaders, the others (a
-    // short last tile, those before the first plain one, strided views) through the general copy.
+    using Tiles = MmaBackwardTiles<T, Smem>;
+    static constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Br / 8, DT = D / 8, ET = E / 8;
     using QLoader = mma::ChunkLoader<T, Br, D, Threads>;
     using OLoader = mma::ChunkLoader<T, Br, E, Threads>;
-    const Sweep& sweep = shared_sweep(smem + Smem::sweep_offset, [&] {
+    using Frags = float[MT][NT][4];  // S^T, dP^T, P^T or dS^T of the warp's keys: keys by row, queries by column
+    using DGrad = float[MT][DT][4];
+    using EGrad = float[MT][ET][4];
+
+    // The block's view of the launch (its keys, and the queries that see them: the swept tiles) and its sweep. The
+    // plain query tiles see every key of the block, with neither mask nor bias (plain_tiles). Whole query tiles of
+    // 16-byte rows from the first plain one on come through each thread's chunk loaders, the others (a short last
+    // tile, those before the first plain one, strided views) through the general copy.
+    __device__ __forceinline__ static Sweep sweep_of(const Params<T>& p) {
         const BlockOperands ops = key_block<Bc, Br>(p);
         const bool chunk_loads = mma::chunk_loads<QLoader, OLoader>(ops.source(p.q, kQ, p.d, p.flags, kVectorQ),
                                                                     ops.source(p.dout, kDout, p.e, p.flags,
@@ -233,28 +244,48 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
         const TileRange plain = plain_tiles<Br, Bc, true>(ops, p.left, p.right, true);
         return Sweep{ops, SweepOrder::of(ops.queries, Br, plain, chunk_loads, Stages,
                                           visited<Br>(p, ops.keys.begin / Bc, ops.queries))};
-    });
-    const BlockOperands& ops = sweep.ops;
-    const SweepOrder& order = sweep.order;
-    const Range& queries = ops.queries;
-    const long long j0 = ops.keys.begin;
-    const int keys = ops.keys.size();
-    const RowTerm<float>* const terms_b = row_terms_of(p.terms, ops.base);
-    const int warp_row = warp * 16 * MT;  // this warp's first key row within the tile
+    }
 
-    load_rows_async<T, Bc, D, Smem::LDD, Threads>(s.K, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
-    load_rows_async<T, Bc, E, Smem::LDE, Threads>(s.V, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
-    ptx::cp_async_commit();
+    const Params<T>& p;
+    const Tiles s;  // Q_i, dO_i and the row terms: stage 0's
+    const BlockOperands& ops;
+    const SweepOrder& order;
+    const long long j0;
+    const int keys;
+    const RowTerm<float>* const terms_b;           // the batch item's row terms
+    const int warp_row, lane, quad_row, quad_col;  // warp_row: this warp's first key row within the tile
+    QLoader& Q_load;
+    OLoader& dO_load;
+    DGrad& dK;
+    EGrad& dV;
 
-    const long long chunks_from = queries.begin + (long long)order.plain.lo * Br;
-    QLoader Q_load(ops.row_of(p.q, kQ, chunks_from), ops.strides(kQ).row, (int)p.d, s.Q);
-    OLoader dO_load(ops.row_of(p.dout, kDout, chunks_from), ops.strides(kDout).row, (int)p.e, s.dO);
+    __device__ __forceinline__ MmaDkdvBlock(const Params<T>& params, const Sweep& sweep, const Tiles& tiles,
+                                            const mma::Place& at, QLoader& q_load, OLoader& do_load, DGrad& dk,
+                                            EGrad& dv)
+        : p(params), s(tiles), ops(sweep.ops), order(sweep.order), j0(ops.keys.begin), keys(ops.keys.size()),
+          terms_b(row_terms_of(p.terms, ops.base)), warp_row(at.warp * 16 * MT), lane(at.lane),
+          quad_row(at.quad_row), quad_col(at.quad_col), Q_load(q_load), dO_load(do_load), dK(dk), dV(dv) {}
 
-    // Query tile `tile`'s Q_i, dO_i and row terms into stage `stage`.
-    const auto load_queries = [&](int tile, int stage, int hop, auto steady) {
-        const long long i0 = queries.begin + (long long)tile * Br;
-        const int rows = decltype(steady)::value ? Br : (int)min_ll(Br, queries.end - i0);
-        if (decltype(steady)::value || order.chunked(tile)) {
+    // K_j and V_j stay for the whole sweep: their copies go out first (they land by the first visit's wait). Then
+    // the chunk loaders start at the first plain query tile, and the gradients at 0.
+    __device__ __forceinline__ void start() {
+        load_rows_async<T, Bc, D, Smem::LDD, Threads>(s.K, ops.source(p.k, kK, p.d, p.flags, kVectorK), j0, keys);
+        load_rows_async<T, Bc, E, Smem::LDE, Threads>(s.V, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
+        ptx::cp_async_commit();
+        const long long chunks_from = ops.queries.begin + (long long)order.plain.lo * Br;
+        Q_load = QLoader(ops.row_of(p.q, kQ, chunks_from), ops.strides(kQ).row, (int)p.d, s.Q);
+        dO_load = OLoader(ops.row_of(p.dout, kDout, chunks_from), ops.strides(kDout).row, (int)p.e, s.dO);
+        mma::zero(dK);
+        mma::zero(dV);
+    }
+
+    // Query tile `tile`'s Q_i, dO_i and row terms into stage `stage`, one cp.async group (hop: for the chunk
+    // loaders; a steady tile is theirs without asking).
+    template <bool IsSteady>
+    __device__ __forceinline__ void load(int tile, int stage, int hop, mma::Steady<IsSteady>) {
+        const long long i0 = ops.queries.begin + (long long)tile * Br;
+        const int rows = IsSteady ? Br : (int)min_ll(Br, ops.queries.end - i0);
+        if (IsSteady || order.chunked(tile)) {
             Q_load.next(hop);
             dO_load.next(hop);
         } else {
@@ -266,42 +297,37 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
         }
         load_row_terms<Br, Threads, true>(s.terms + stage * Br, terms_b, i0, rows);
         ptx::cp_async_commit();
-    };
+    }
 
-    float dK[MT][DT][4], dV[MT][ET][4];
-    mma::zero(dK);
-    mma::zero(dV);
-    const auto visit = [&](const int tile, const int stage, auto steady, const bool whole) {
-        const T* const Q_i = s.Q + stage * Br * Smem::LDD;
-        const T* const dO_i = s.dO + stage * Br * Smem::LDE;
-        const RowTerm<float>* const terms_i = s.terms + stage * Br;
-        float P[MT][NT][4], dS[MT][NT][4];  // transposed: keys by row, queries by column; S and dP at first
+    // S^T = K_j Q_i^T into P and dP^T = V_j dO_i^T into dS (K_j, V_j as A fragments; Q_i, dO_i as the column-major
+    // B operand): the steps after them turn each into P^T and dS^T in place.
+    __device__ __forceinline__ void products(Frags& P, Frags& dS, const T* Q_i, const T* dO_i) const {
         mma::product_nk<T, MT, Br, D>(P, s.K, Q_i, warp_row, lane);
         mma::product_nk<T, MT, Br, E>(dS, s.V, dO_i, warp_row, lane);
-        if constexpr (decltype(steady)::value) {  // a plain tile: every pair visible
+    }
+
+    // P^T and dS^T of a plain tile: every pair visible, one FMA and one exp2 each (plain_gradient).
+    __device__ __forceinline__ void plain_gradients(Frags& P, Frags& dS, const RowTerm<float>* terms_i) const {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int x = 0; x < 2; ++x) {
-                            const RowTerm<float> t = terms_i[8 * nt + 2 * quad_col + x];
-                            float& p_ij = P[mt][nt][2 * h + x];
-                            float& ds = dS[mt][nt][2 * h + x];
-                            mma::plain_gradient(p_ij, ds, t.shift, t.delta, p.scale_log2, p_ij, ds);
-                        }
-            mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
-            mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
-            return;
-        }
-        const long long i0 = queries.begin + (long long)tile * Br;
-        const int rows = (int)min_ll(Br, queries.end - i0);
-        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
-        const Scores<float> scores = Scores<float>::of(ops, p, i0 + rows, whole);
-        const bool partial = scores.partial(i0, rows, j0, keys, Bc);
-        unsigned hidden[MT][2];
+                    for (int x = 0; x < 2; ++x) {
+                        const RowTerm<float> t = terms_i[8 * nt + 2 * quad_col + x];
+                        float& p_ij = P[mt][nt][2 * h + x];
+                        float& ds = dS[mt][nt][2 * h + x];
+                        mma::plain_gradient(p_ij, ds, t.shift, t.delta, p.scale_log2, p_ij, ds);
+                    }
+    }
+
+    // P^T and dS^T of the other tiles, pair by pair through the score step (score_gradient); a hidden pair's bit
+    // goes to hidden[mt][h] (bit 2 nt + x), for the CUDA-core products.
+    __device__ __forceinline__ void gradients(Frags& P, Frags& dS, unsigned (&hidden)[MT][2],
+                                              const RowTerm<float>* terms_i, const Scores<float>& scores, long long i0,
+                                              bool partial) const {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -320,66 +346,140 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p)
                             hidden[mt][h] |= 1u << (2 * nt + x);
                     }
             }
+    }
+
+    // dV_j += P^T dO_i and dK_j += dS^T Q_i on tensor cores: P^T and dS^T rounded to T in registers as the A
+    // operand (FlashAttention-2's register reuse), dO_i and Q_i through ldmatrix.trans.
+    __device__ __forceinline__ void add_dv_dk(const Frags& P, const Frags& dS, const T* Q_i, const T* dO_i) {
+        mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
+        mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
+    }
+
+    // A steady visit (a plain tile): S^T and dP^T, P^T and dS^T, dV_j and dK_j.
+    __device__ __forceinline__ void visit(int, int stage, mma::Steady<true>, bool) {
+        const T* const Q_i = s.Q + stage * Br * Smem::LDD;
+        const T* const dO_i = s.dO + stage * Br * Smem::LDE;
+        Frags P, dS;
+        products(P, dS, Q_i, dO_i);
+        plain_gradients(P, dS, s.terms + stage * Br);
+        add_dv_dk(P, dS, Q_i, dO_i);
+    }
+
+    // Another visit (window edges, masks, biases, a short last tile): S^T and dP^T, P^T and dS^T through the score
+    // step, then dV_j and dK_j; where a pair is hidden and its query row of Q_i or dO_i holds inf or NaN (0 times it
+    // would be NaN on tensor cores), on CUDA cores with the hidden pairs skipped.
+    __device__ __forceinline__ void visit(int tile, int stage, mma::Steady<false>, bool whole) {
+        const T* const Q_i = s.Q + stage * Br * Smem::LDD;
+        const T* const dO_i = s.dO + stage * Br * Smem::LDE;
+        Frags P, dS;
+        products(P, dS, Q_i, dO_i);
+        const long long i0 = ops.queries.begin + (long long)tile * Br;
+        const int rows = (int)min_ll(Br, ops.queries.end - i0);
+        // Rows past the swept tile (ii >= rows) count as rows past n: hidden, whatever the tile.
+        const Scores<float> scores = Scores<float>::of(ops, p, i0 + rows, whole);
+        const bool partial = scores.partial(i0, rows, j0, keys, Bc);
+        unsigned hidden[MT][2];
+        gradients(P, dS, hidden, s.terms + stage * Br, scores, i0, partial);
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Br, D, Threads>(Q_i, rows) ||
                                                          mma::tile_nonfinite<T, Br, E, Threads>(dO_i, rows));
         if (!careful) {
-            mma::product_kn<T, MT, Br, E>(dV, P, dO_i, lane);
-            mma::product_kn<T, MT, Br, D>(dK, dS, Q_i, lane);
+            add_dv_dk(P, dS, Q_i, dO_i);
         } else {
             mma::acc_by_selection<T, Br, E, MT>(dV, P, hidden, s.W, s.H, dO_i, rows, lane);
             mma::acc_by_selection<T, Br, D, MT>(dK, dS, hidden, s.W, s.H, Q_i, rows, lane);
         }
-    };
-    mma::sweep<Stages>(order, load_queries, visit);
-    ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
-    mma::store_fragments<MT, D>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row, ops.strides(kDk).col,
-                                warp_row, keys, p.d, lane);
-    mma::store_fragments<MT, E>(ops.row_of(p.dv, kDv, j0), dV, 1.0f, ops.strides(kDv).row, ops.strides(kDv).col,
-                                warp_row, keys, p.e, lane);
-}
+    }
+
+    // dk = scale dK_j (the sweep leaves the softmax scale out of dS), dv = dV_j, from the fragments.
+    __device__ __forceinline__ void store() const {
+        ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
+        mma::store_fragments<MT, D>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row,
+                                    ops.strides(kDk).col, warp_row, keys, p.d, lane);
+        mma::store_fragments<MT, E>(ops.row_of(p.dv, kDv, j0), dV, 1.0f, ops.strides(kDv).row, ops.strides(kDv).col,
+                                    warp_row, keys, p.e, lane);
+    }
+};
 
 template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
-__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
-    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false, Stages>;  // its static_asserts: the tile shapes
-    constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Bc / 8, DT = D / 8;
-
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dkdv(const Params<T> p) {
+    using Block = MmaDkdvBlock<T, Br, Bc, D, E, Warps, Stages>;
     extern __shared__ __align__(16) unsigned char smem[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad_row = lane / 4, quad_col = lane % 4;
-    const MmaBackwardTiles<T, Smem> s(smem, warp);
+    const mma::Place at;
+    const typename Block::Tiles s(smem, at.warp);
     if (!in_batch(p)) return;
+    const Sweep& sweep = shared_sweep(smem + Block::Smem::sweep_offset, [&] { return Block::sweep_of(p); });
+    typename Block::QLoader Q_load;
+    typename Block::OLoader dO_load;
+    typename Block::DGrad dK;
+    typename Block::EGrad dV;
+    Block block(p, sweep, s, at, Q_load, dO_load, dK, dV);
+    block.start();
+    mma::sweep<Stages>(sweep.order, block);
+    block.store();
+}
+
+// One block of bwd_mma_dq, its steps in the order they run (bwd_mma_dq below): the block's view and sweep; Q_i,
+// dO_i and their row terms in flight; per key tile (mma::sweep) its K_j and V_j, S = Q_i K_j^T and dP = dO_i V_j^T,
+// P and dS from the row terms (and dbias), dQ_i += dS K_j; the store of dQ_i. Its own rows are queries, split among
+// the warps. As in MmaDkdvBlock, the chunk loaders and dQ_i are the kernel function's locals.
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages>
+struct MmaDqBlock {
+    using Smem = MmaBackwardShared<T, Br, Bc, D, E, Warps, false, Stages>;  // its static_asserts: the tile shapes
+    using Tiles = MmaBackwardTiles<T, Smem>;
+    static constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Bc / 8, DT = D / 8;
+    using KLoader = mma::ChunkLoader<T, Bc, D, Threads>;
+    using VLoader = mma::ChunkLoader<T, Bc, E, Threads>;
+    using Frags = float[MT][NT][4];  // S, dP, P or dS of the warp's queries
+    using Grad = float[MT][DT][4];
+
     // The block's view of the launch and its sweep. The plain key tiles: plain_tiles (full, seen by every query of
     // the block, no mask or bias). Whole key tiles of 16-byte rows from the first plain one on come through each
     // thread's chunk loaders, the others (a short last tile, those before the first plain one, strided views)
     // through the general copy.
-    using KLoader = mma::ChunkLoader<T, Bc, D, Threads>;
-    using VLoader = mma::ChunkLoader<T, Bc, E, Threads>;
-    const Sweep& sweep = shared_sweep(smem + Smem::sweep_offset, [&] {
+    __device__ __forceinline__ static Sweep sweep_of(const Params<T>& p) {
         const BlockOperands ops = query_block<Br, Bc, false>(p);
         const bool chunk_loads = mma::chunk_loads<KLoader, VLoader>(ops.source(p.k, kK, p.d, p.flags, kVectorK),
                                                                     ops.source(p.v, kV, p.e, p.flags, kVectorV));
         const TileRange plain = plain_tiles<Br, Bc, false>(ops, p.left, p.right, true);
         return Sweep{ops, SweepOrder::of(ops.keys, Bc, plain, chunk_loads, Stages,
                                           visited<Bc>(p, ops.queries.begin / Br, ops.keys))};
-    });
-    const BlockOperands& ops = sweep.ops;
-    const SweepOrder& order = sweep.order;
-    const long long& i0 = ops.queries.begin;
-    const int rows = ops.queries.size();
-    const int warp_row = warp * 16 * MT;  // this warp's first query row within the tile
+    }
 
-    load_rows_async<T, Br, D, Smem::LDD, Threads>(s.Q, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
-    load_rows_async<T, Br, E, Smem::LDE, Threads>(s.dO, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0,
-                                                 rows);
-    load_row_terms<Br, Threads, true>(s.terms, row_terms_of(p.terms, ops.base), i0, rows);
-    ptx::cp_async_commit();
+    const Params<T>& p;
+    const Tiles s;  // K_j and V_j: stage 0's
+    const BlockOperands& ops;
+    const SweepOrder& order;
+    const long long& i0;
+    const int rows, warp_row, lane, quad_row, quad_col;  // warp_row: this warp's first query row within the tile
+    KLoader& K_load;
+    VLoader& V_load;
+    Grad& dQ;
 
-    const long long chunks_from = ops.keys.begin + (long long)order.plain.lo * Bc;
-    KLoader K_load(ops.row_of(p.k, kK, chunks_from), ops.strides(kK).row, (int)p.d, s.K);
-    VLoader V_load(ops.row_of(p.v, kV, chunks_from), ops.strides(kV).row, (int)p.e, s.V);
+    __device__ __forceinline__ MmaDqBlock(const Params<T>& params, const Sweep& sweep, const Tiles& tiles,
+                                          const mma::Place& at, KLoader& k_load, VLoader& v_load, Grad& dq)
+        : p(params), s(tiles), ops(sweep.ops), order(sweep.order), i0(ops.queries.begin), rows(ops.queries.size()),
+          warp_row(at.warp * 16 * MT), lane(at.lane), quad_row(at.quad_row), quad_col(at.quad_col), K_load(k_load),
+          V_load(v_load), dQ(dq) {}
 
-    // Key tile `tile`'s K_j and V_j into stage `stage`.
-    const auto load_kv = [&](int tile, int stage, int hop, auto steady) {
-        if (decltype(steady)::value || order.chunked(tile)) {
+    // Q_i, dO_i and their row terms stay for the whole sweep: their copies go out first (they land by the first
+    // visit's wait). Then the chunk loaders start at the first plain key tile, and dQ_i at 0.
+    __device__ __forceinline__ void start() {
+        load_rows_async<T, Br, D, Smem::LDD, Threads>(s.Q, ops.source(p.q, kQ, p.d, p.flags, kVectorQ), i0, rows);
+        load_rows_async<T, Br, E, Smem::LDE, Threads>(s.dO, ops.source(p.dout, kDout, p.e, p.flags, kVectorDout), i0,
+                                                     rows);
+        load_row_terms<Br, Threads, true>(s.terms, row_terms_of(p.terms, ops.base), i0, rows);
+        ptx::cp_async_commit();
+        const long long chunks_from = ops.keys.begin + (long long)order.plain.lo * Bc;
+        K_load = KLoader(ops.row_of(p.k, kK, chunks_from), ops.strides(kK).row, (int)p.d, s.K);
+        V_load = VLoader(ops.row_of(p.v, kV, chunks_from), ops.strides(kV).row, (int)p.e, s.V);
+        mma::zero(dQ);
+    }
+
+    // Key tile `tile`'s K_j and V_j into stage `stage`, one cp.async group (hop: for the chunk loaders; a steady
+    // tile is theirs without asking).
+    template <bool IsSteady>
+    __device__ __forceinline__ void load(int tile, int stage, int hop, mma::Steady<IsSteady>) {
+        if (IsSteady || order.chunked(tile)) {
             K_load.next(hop);
             V_load.next(hop);
         } else {
@@ -391,39 +491,38 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
                                                          ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, cols);
         }
         ptx::cp_async_commit();
-    };
+    }
 
-    float dQ[MT][DT][4];
-    mma::zero(dQ);
-    const auto visit = [&](const int tile, const int stage, auto steady, const bool whole) {
-        const T* const K_j = s.K + stage * Bc * Smem::LDD;
-        const T* const V_j = s.V + stage * Bc * Smem::LDE;
-        float P[MT][NT][4], dS[MT][NT][4];  // S and dP at first
+    // S = Q_i K_j^T into P and dP = dO_i V_j^T into dS (Q_i, dO_i as A fragments; K_j, V_j as the column-major B
+    // operand): the steps after them turn each into P and dS in place.
+    __device__ __forceinline__ void products(Frags& P, Frags& dS, const T* K_j, const T* V_j) const {
         mma::product_nk<T, MT, Bc, D>(P, s.Q, K_j, warp_row, lane);
         mma::product_nk<T, MT, Bc, E>(dS, s.dO, V_j, warp_row, lane);
-        if constexpr (decltype(steady)::value) {  // a plain tile: every pair visible, no dbias to write
+    }
+
+    // P and dS of a plain tile: every pair visible, no dbias to write, one FMA and one exp2 each (plain_gradient).
+    __device__ __forceinline__ void plain_gradients(Frags& P, Frags& dS) const {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const RowTerm<float> t = s.terms[warp_row + 16 * mt + quad_row + 8 * h];
+            for (int h = 0; h < 2; ++h) {
+                const RowTerm<float> t = s.terms[warp_row + 16 * mt + quad_row + 8 * h];
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                        for (int x = 0; x < 2; ++x) {
-                            float& p_ij = P[mt][nt][2 * h + x];
-                            float& ds = dS[mt][nt][2 * h + x];
-                            mma::plain_gradient(p_ij, ds, t.shift, t.delta, p.scale_log2, p_ij, ds);
-                        }
-                }
-            mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
-            return;
-        }
-        const long long j0 = ops.keys.begin + (long long)tile * Bc;
-        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
-        const Scores<float> scores = Scores<float>::of(ops, p, ops.queries.end, whole);
-        const bool partial = scores.partial(i0, rows, j0, cols, Bc);
-        unsigned hidden[MT][2];
+                    for (int x = 0; x < 2; ++x) {
+                        float& p_ij = P[mt][nt][2 * h + x];
+                        float& ds = dS[mt][nt][2 * h + x];
+                        mma::plain_gradient(p_ij, ds, t.shift, t.delta, p.scale_log2, p_ij, ds);
+                    }
+            }
+    }
+
+    // P and dS of the other tiles, pair by pair through the score step (score_gradient), and dbias = dS where asked;
+    // a hidden pair's bit goes to hidden[mt][h] (bit 2 nt + x), for the CUDA-core product.
+    __device__ __forceinline__ void gradients(Frags& P, Frags& dS, unsigned (&hidden)[MT][2],
+                                              const Scores<float>& scores, long long j0, int cols,
+                                              bool partial) const {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -445,16 +544,67 @@ __global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
                             ops.row_of(p.dbias, kDbias, i)[(j0 + jj) * ops.strides(kDbias).col] = ds;
                     }
             }
+    }
+
+    // dQ_i += dS K_j on tensor cores: dS rounded to T in registers as the A operand, K_j through ldmatrix.trans.
+    __device__ __forceinline__ void add_dq(const Frags& dS, const T* K_j) {
+        mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
+    }
+
+    // A steady visit (a plain tile): S and dP, P and dS, dQ_i.
+    __device__ __forceinline__ void visit(int, int stage, mma::Steady<true>, bool) {
+        const T* const K_j = s.K + stage * Bc * Smem::LDD;
+        const T* const V_j = s.V + stage * Bc * Smem::LDE;
+        Frags P, dS;
+        products(P, dS, K_j, V_j);
+        plain_gradients(P, dS);
+        add_dq(dS, K_j);
+    }
+
+    // Another visit (window edges, masks, biases, a short last tile): S and dP, P and dS through the score step,
+    // then dQ_i; where a pair is hidden and its key row of K_j holds inf or NaN (0 times it would be NaN on tensor
+    // cores), on CUDA cores with the hidden pairs skipped.
+    __device__ __forceinline__ void visit(int tile, int stage, mma::Steady<false>, bool whole) {
+        const T* const K_j = s.K + stage * Bc * Smem::LDD;
+        const T* const V_j = s.V + stage * Bc * Smem::LDE;
+        Frags P, dS;
+        products(P, dS, K_j, V_j);
+        const long long j0 = ops.keys.begin + (long long)tile * Bc;
+        const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        const Scores<float> scores = Scores<float>::of(ops, p, ops.queries.end, whole);
+        const bool partial = scores.partial(i0, rows, j0, cols, Bc);
+        unsigned hidden[MT][2];
+        gradients(P, dS, hidden, scores, j0, cols, partial);
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads>(K_j, cols));
         if (!careful)
-            mma::product_kn<T, MT, Bc, D>(dQ, dS, K_j, lane);
+            add_dq(dS, K_j);
         else
             mma::acc_by_selection<T, Bc, D, MT>(dQ, dS, hidden, s.W, s.H, K_j, cols, lane);
-    };
-    mma::sweep<Stages>(order, load_kv, visit);
-    ptx::cp_async_wait<0>();  // no key is visible: Q_i and dO_i were never waited for
-    mma::store_fragments<MT, D>(ops.row_of(p.dq, kDq, i0), dQ, p.scale, ops.strides(kDq).row, ops.strides(kDq).col,
-                                warp_row, rows, p.d, lane);
+    }
+
+    // dq = scale dQ_i (the sweep leaves the softmax scale out of dS), from the fragments.
+    __device__ __forceinline__ void store() const {
+        ptx::cp_async_wait<0>();  // no key is visible: Q_i and dO_i were never waited for
+        mma::store_fragments<MT, D>(ops.row_of(p.dq, kDq, i0), dQ, p.scale, ops.strides(kDq).row,
+                                    ops.strides(kDq).col, warp_row, rows, p.d, lane);
+    }
+};
+
+template <typename T, int Br, int Bc, int D, int E, int Warps, int Stages = 1>
+__global__ void __launch_bounds__(Warps * 32, 1) bwd_mma_dq(const Params<T> p) {
+    using Block = MmaDqBlock<T, Br, Bc, D, E, Warps, Stages>;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const mma::Place at;
+    const typename Block::Tiles s(smem, at.warp);
+    if (!in_batch(p)) return;
+    const Sweep& sweep = shared_sweep(smem + Block::Smem::sweep_offset, [&] { return Block::sweep_of(p); });
+    typename Block::KLoader K_load;
+    typename Block::VLoader V_load;
+    typename Block::Grad dQ;
+    Block block(p, sweep, s, at, K_load, V_load, dQ);
+    block.start();
+    mma::sweep<Stages>(sweep.order, block);
+    block.store();
 }
 
 }  // namespace cuflash

@@ -84,7 +84,7 @@ template <int Stages> struct StageRing {
     }
 };
 
-// A compile-time flag passed to a generic lambda (the backward's swept tile: steady or not).
+// A compile-time flag passed to a backward block's steps (its swept tile: steady or not).
 template <bool V> struct Steady { static constexpr bool value = V; };
 
 // One thread's share of full tiles (all Rows rows) of 16-byte chunks streamed through shared stages,
@@ -113,6 +113,7 @@ struct ChunkLoader {
         return kFits && row_stride <= kMost && row_stride >= -kMost;
     }
 
+    ChunkLoader() = default;  // a block's own: set once its first copies are out
     __device__ __forceinline__ ChunkLoader(const T* first_row, long long row_stride, int cols, const T* tile) {
         const int r = chunk_row<ChunksPerRow, Rows, LD * sizeof(T) / 16>(threadIdx.x);
         const int c = threadIdx.x % ChunksPerRow * kChunk;
