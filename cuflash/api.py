@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union, ove
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import backends, blockmask, mods
+from . import backends, blockmask, dropout, mods
 from .blockmask import BlockMask
 from .dtypes import acc_dtype_of, bfloat16, common_dtype, describe, is_real_float, native, same_kind
 from .family import BlockConfig, check_precision
@@ -39,7 +39,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
               block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
-              out: Optional[Array] = None, return_lse: Literal[False] = False,
+              dropout_p: float = 0.0, seed: Optional[int] = None, out: Optional[Array] = None, return_lse: Literal[False] = False,
               backend: Optional[str] = None, block: Block = None, precision: Optional[str] = None) -> Array: ...
 
 
@@ -48,7 +48,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
               block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
-              out: Optional[Array] = None,
+              dropout_p: float = 0.0, seed: Optional[int] = None, out: Optional[Array] = None,
               return_lse: Union[Literal[True], np.bool_], backend: Optional[str] = None, block: Block = None,
               precision: Optional[str] = None) -> Tuple[Array, Array]: ...
 
@@ -57,7 +57,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
               block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
-              out: Optional[Array] = None, return_lse: Flag = False,
+              dropout_p: float = 0.0, seed: Optional[int] = None, out: Optional[Array] = None, return_lse: Flag = False,
               backend: Optional[str] = None, block: Block = None,
               precision: Optional[str] = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
@@ -84,6 +84,11 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
         on their device).
     sinks: real array broadcastable to (*batch,): one logit per batch item that joins every row's softmax
         denominator and carries no value (attention sinks); lse includes it.
+    dropout_p: attention dropout, 0 <= p < 1: each probability is dropped with probability p, the kept ones
+        scaled by 1 / (1 - p) after the softmax (lse is the softmax's). Which elements are kept is a pure function
+        of (seed, batch index, i, j) (cuflash.dropout_mask), the same on every backend and tile size.
+    seed: an int in [0, 2^64) for dropout; None with dropout_p > 0 draws one from NumPy's global generator
+        (np.random.seed makes it reproducible) and records it: cuflash.last_seed() gives it, for the backward.
     out: array of exactly the result's shape; the result is cast to its dtype with same-kind casting.
     return_lse: also return lse (*batch, n), the natural log of the sum of exp of each row's final scores
         (float32, or float64 when computing in float64); -inf for a row with no visible key.
@@ -100,7 +105,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
     xp = array_module(q, k, v, mask, bias, out, sinks=sinks)
     # CuPy allocates and launches on the current device: make it the operands' one for casts, out and lse.
     with device_of(xp, (q, k, v, mask, bias, out)):
-        patterns = Patterns(score_mod, mask_mod, sinks, block_mask)
+        patterns = Patterns(score_mod, mask_mod, sinks, block_mask, dropout.check(dropout_p, seed))
         return _attention(xp, q, k, v, scale, causal, window, mask, bias, patterns, out, return_lse, backend, block,
                           precision)
 
@@ -127,6 +132,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
                        score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
                        block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
+                       dropout_p: float = 0.0, seed: Optional[int] = None,
                        bias_grad: Flag = False, score_mod_grads: Sequence[Any] = (),
                        backend: Optional[str] = None, block: Block = None,
                        precision: Optional[str] = None) -> Tuple[Array, ...]:
@@ -145,11 +151,16 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     score_mod_grads: floating arrays score_mod closes over (the very objects: learnable ALiBi slopes, a
     relative-position table) whose gradients follow, in that order, each of its array's shape and dtype: every read
     of the array adds dS * d score_mod / d the value read to the element it read (summed in a fixed order:
-    deterministic). These calls run the blocked algorithm on every backend."""
+    deterministic). These calls run the blocked algorithm on every backend.
+
+    dropout_p, seed: the forward's: the backward regenerates the elements it kept (a seed is required with
+    dropout_p > 0: the forward's own, or cuflash.last_seed() after a forward that drew one)."""
     xp = array_module(q, k, v, mask, bias, out, lse, dout, sinks=sinks)
     with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):
         return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias,
-                                   Patterns(score_mod, mask_mod, sinks, block_mask), bias_grad, score_mod_grads,
+                                   Patterns(score_mod, mask_mod, sinks, block_mask,
+                                            dropout.check(dropout_p, seed, NAME + "_backward", backward=True)),
+                                   bias_grad, score_mod_grads,
                                    backend, block, precision)
 
 
@@ -255,6 +266,7 @@ class Patterns:
     mask_mod: Any = None
     sinks: Any = None
     block_mask: Any = None
+    dropout: Tuple[float, Optional[int]] = (0.0, None)  # (dropout_p, seed), checked (dropout.check)
 
 
 def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), precision=None, patterns=None):
@@ -346,6 +358,9 @@ def pattern_fields(patterns, batch, n, m, dtype, xp):
                              f"{batch}; give one logit per batch item (for (B, H, n, d) inputs: shape (H,) or "
                              f"(B, H))")
         fields["sinks"] = xp.broadcast_to(sinks.astype(acc_dtype_of(dtype), copy=False), batch)
+    p, seed = patterns.dropout
+    if p > 0:
+        fields["dropout"] = dropout.Dropout(p, seed, dropout.row_major(batch))
     return fields
 
 

@@ -203,7 +203,7 @@ def attend_rows(problem, patterns, index, i0, i1, key_tiles):
     o_i = xp.zeros(shape + (problem.e,), dtype=acc)  # unnormalized output
     for j0, j1, whole in key_tiles:
         s_ij, visible, _ = tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1, whole, keep_raw=False)
-        m_i, l_i, o_i = online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1)
+        m_i, l_i, o_i = online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, (i0, i1, j0, j1))
     nothing_visible = l_i == 0  # fully masked rows give 0 and lse -inf; NaN rows stay NaN
     with np.errstate(divide="ignore", invalid="ignore"):
         o = xp.where(nothing_visible[..., None], 0, o_i / l_i[..., None])
@@ -279,17 +279,31 @@ def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1, whole=False, keep
     return s_ij, visible, raw
 
 
-def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, j0, j1):
-    """The seed's update: new running max, rescale the old sum and output, add this tile's share."""
+def online_softmax_update(problem, index, m_i, l_i, o_i, s_ij, visible, tile):
+    """The seed's update: new running max, rescale the old sum and output, add this tile's share (tile: rows and
+    keys, (i0, i1, j0, j1)). With dropout, the sum takes every probability and the output only the kept ones,
+    scaled."""
     xp = problem.xp
     m_new = xp.maximum(m_i, s_ij.max(axis=-1))
     m_safe = xp.where(m_new == -np.inf, 0, m_new)  # rows with nothing visible yet: exp(-inf - 0) = 0
     p_ij = exp_shifted(s_ij, m_safe[..., None], xp)  # S_ij is not needed again: P_ij takes its memory
     alpha = xp.exp(m_i - m_safe)
     l_new = alpha * l_i + p_ij.sum(axis=-1)
+    if problem.dropout is not None:
+        p_ij *= dropout_factor(problem, index, *tile)
+    j0, j1 = tile[2:]
     v_j = problem.v[index + (slice(j0, j1),)].astype(problem.acc_dtype, copy=False)
     o_new = alpha[..., None] * o_i + weighted_values(p_ij, v_j, visible, xp)
     return m_new, l_new, o_new
+
+
+def dropout_factor(problem, index, i0, i1, j0, j1):
+    """What dropout multiplies a tile's probabilities by: 1 / (1 - p) where the element is kept, 0 where dropped
+    (cuflash.dropout: the same elements every backend keeps)."""
+    xp, dropout = problem.xp, problem.dropout
+    b = dropout.batch_index(index_grids(problem, index, i0, i1, j0, j1)[:len(problem.batch)], xp)
+    keeps = dropout.tile_keeps(b[..., None, None] if b.ndim == 0 else b, i0, i1, j0, j1, xp)
+    return xp.where(keeps, problem.acc_dtype.type(dropout.scale), problem.acc_dtype.type(0))
 
 
 def exp_shifted(s, shift, xp=np):
@@ -368,7 +382,8 @@ def run_backward(problem, dout, out, lse, grads, block=None):
             keys = index + (slice(j0, j1),)
             s_ij, visible, raw = tile_scores(problem, patterns, index, scaled_q_i, i0, i1, j0, j1, whole)
             p_ij = exp_shifted(s_ij, shift, xp)  # S_ij is not needed again
-            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible)
+            kept = None if problem.dropout is None else dropout_factor(problem, index, i0, i1, j0, j1)
+            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, kept)
             if raw is not None:
                 grids = index_grids(problem, index, i0, i1, j0, j1)
                 table_gradients(patterns, dtables, grids, raw, ds_ij)
@@ -377,7 +392,8 @@ def run_backward(problem, dout, out, lse, grads, block=None):
                 if visible is not None:
                     ds_ij = xp.where(visible, ds_ij, 0)  # a derivative may be NaN or inf where a pair is hidden
             visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
-            dv[keys] += weighted_values(xp.swapaxes(p_ij, -1, -2), do_i, visible_t, xp, do_finite)
+            dropped = p_ij if kept is None else p_ij * kept  # the probabilities the output took
+            dv[keys] += weighted_values(xp.swapaxes(dropped, -1, -2), do_i, visible_t, xp, do_finite)
             scaled_k_j = problem.k[keys].astype(acc) * scale  # small: the scale folded into the operand
             dq[rows] += weighted_values(ds_ij, scaled_k_j, visible, xp)
             dk[keys] += weighted_values(xp.swapaxes(ds_ij, -1, -2), scaled_q_i, visible_t, xp, q_finite)
@@ -385,12 +401,16 @@ def run_backward(problem, dout, out, lse, grads, block=None):
                 dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
 
 
-def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible):
+def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, kept=None):
     """dS_ij = P_ij * (dO_i V_j^T - D_i) (the gradient of the score the softmax sees), zero for hidden pairs by
-    selection (a NaN in a hidden value row makes dO_i V_j^T NaN there)."""
+    selection (a NaN in a hidden value row makes dO_i V_j^T NaN there). With dropout, dO_i V_j^T is the gradient of
+    the dropped probabilities: times kept (dropout_factor) it is the softmax's."""
     xp = problem.xp
     v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
-    ds_ij = score_gradient_in_place(xp.matmul(do_i, xp.swapaxes(v_j, -1, -2)), p_ij, delta)
+    dp_ij = xp.matmul(do_i, xp.swapaxes(v_j, -1, -2))
+    if kept is not None:
+        dp_ij *= kept
+    ds_ij = score_gradient_in_place(dp_ij, p_ij, delta)
     return ds_ij if visible is None else xp.where(visible, ds_ij, 0)
 
 

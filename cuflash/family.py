@@ -64,6 +64,7 @@ class Shape:
     packed: bool = False  # packed sequences (n and m the longest's): no key splits
     paged: bool = False  # paged keys and values (m the longest sequence's): the kernels compiled to walk pages
     splits: Optional[int] = None  # key splits forced (attention_paged's num_splits); None: the heuristic's
+    dropout: bool = False  # attention dropout: the kernels compiled to regenerate the keep mask
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", np.dtype(self.dtype))

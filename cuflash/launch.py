@@ -39,6 +39,10 @@ PACKED_OFFSETS = ("cu_seqlens_q", "cu_seqlens_k")  # packed sequences' offsets (
 # The C struct Pages of kernels/tile.cuh: paged keys and values (problem.Paged), zero without.
 PAGES = np.dtype([("table", np.uint64), ("seqlens", np.uint64), ("table_stride", np.int64), ("size", np.int64),
                   ("stride_k", np.int64), ("stride_v", np.int64)])
+# The C struct Dropping of kernels/tile.cuh: attention dropout (problem.dropout: cuflash/dropout.py), zero without.
+DROPPING = np.dtype([("seed", np.uint64), ("base", np.int64), ("row0", np.int64), ("key0", np.int64),
+                     ("shape", np.int64, (MAX_BATCH_DIMS,)), ("strides", np.int64, (MAX_BATCH_DIMS,)),
+                     ("rank", np.int64), ("scale", np.float64), ("threshold", np.uint32)], align=True)
 
 
 def params_dtype(acc) -> np.dtype:
@@ -49,7 +53,8 @@ def params_dtype(acc) -> np.dtype:
     (kernels/mods.py)."""
     acc = np.dtype(acc)
     pointers = OPERANDS + ("geometry",) + PACKED_OFFSETS
-    return np.dtype([(name, np.uint64) for name in pointers] + [("sequence_items", np.int64), ("pages", PAGES)] +
+    return np.dtype([(name, np.uint64) for name in pointers] + [("sequence_items", np.int64), ("pages", PAGES),
+                                                                 ("dropout", DROPPING)] +
                     [(name, np.int64) for name in SIZES] +
                     [("scale_log2", acc), ("scale", acc), ("flags", np.int32), ("mods", kernel_mods.ARGS)],
                     align=True)
@@ -80,7 +85,7 @@ def layout_asserts() -> List[str]:
     lines += [check(f"cuflash::mods::kMax{name}", value) for name, value in (
         ("Tables", kernel_mods.MAX_TABLES), ("TableAxes", kernel_mods.MAX_TABLE_AXES),
         ("BatchAxes", kernel_mods.MAX_BATCH_AXES))]
-    structs = [("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY), ("Pages", PAGES),
+    structs = [("OperandStrides", OPERAND_STRIDES), ("Geometry", GEOMETRY), ("Pages", PAGES), ("Dropping", DROPPING),
                ("mods::Table", kernel_mods.TABLE),
                ("mods::Visits", kernel_mods.VISITS), ("mods::Args", kernel_mods.ARGS)] + \
         [(f"Params<{PARAMS_OF[acc]}>", dtype) for acc, dtype in PARAMS.items()]
@@ -301,9 +306,21 @@ def kernel_params(problem, operands, table, e, flags, patterns=None) -> np.ndarr
         pages["table_stride"], pages["size"] = paged.block_table.shape[1], paged.page_size
         pages["stride_k"], pages["stride_v"] = paged.page_stride("k"), paged.page_stride("v")
         params["sequence_items"] = problem.batch_size // problem.batch[0]
+    if problem.dropout is not None:
+        write_dropout(params["dropout"], problem.dropout, problem.batch)
     if patterns is not None:
         patterns.write(params["mods"], problem.batch)
     return params
+
+
+def write_dropout(record, dropout, batch) -> None:
+    """Params::dropout (kernels/tile.cuh Dropping) of a problem of this batch shape (kernels take dropout only
+    where it has at most MAX_BATCH_DIMS axes: dropout_in_kernels)."""
+    record["seed"], record["base"], record["row0"], record["key0"] = dropout.seed, dropout.base, dropout.row0, \
+        dropout.key0
+    record["shape"][0, :len(batch)] = batch
+    record["strides"][0, :len(batch)] = dropout.strides
+    record["rank"], record["scale"], record["threshold"] = len(batch), dropout.scale, dropout.threshold
 
 
 def _launch(problem, operands, shape, batch_strides, e, plan: Plan, split_strides, patterns=None) -> Launch:
@@ -392,6 +409,8 @@ def kernel_patterns(problem, forward: bool) -> Tuple[Optional[KernelPatterns], O
     or None). forward: whether the sinks enter (the backward reads them through the lse)."""
     score, mask, blocks = problem.score_mod, problem.mask_mod, problem.block_mask
     sinks = problem.sinks if forward else None
+    if problem.dropout is not None:
+        return None, "attention dropout is the blocked algorithm's"
     if score is None and mask is None and sinks is None and blocks is None:
         return None, None
     if problem.score_mod_grads and not forward:

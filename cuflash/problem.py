@@ -180,6 +180,7 @@ class Problem:
         block mask was made from (a tile it shows whole needs no look at it). score_mod_grads: the numbers of
         score_mod's float tables whose gradients the backward computes (attention_backward's score_mod_grads=).
     packed: the packed sequences (Packed) or None. paged: the paged keys and values (Paged) or None.
+    dropout: attention dropout (cuflash.dropout.Dropout) or None.
     """
 
     q: Any
@@ -207,6 +208,7 @@ class Problem:
     score_mod_grads: Tuple[int, ...] = ()
     packed: Optional[Packed] = None
     paged: Optional[Paged] = None
+    dropout: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -218,7 +220,8 @@ class Problem:
         paged = self.paged
         return Shape(self.dtype, self.d, self.e, self.n, self.m, self.batch_size, self.precision,
                      packed=self.packed is not None and self.packed.cu_seqlens_q is not None,
-                     paged=paged is not None, splits=None if paged is None else paged.splits)
+                     paged=paged is not None, splits=None if paged is None else paged.splits,
+                     dropout=self.dropout is not None)
 
     @property
     def empty(self) -> bool:

@@ -199,14 +199,17 @@ class Plan:
 
     @property
     def kernel(self) -> Tuple[str, str]:
-        """What the plan's compiled kernel is known by: its name expression, and its mods' key (with "paged;"
-        before it for a kernel that walks pages)."""
-        return self.name, ("paged;" if self.shape.paged else "") + ("" if self.mods is None else self.mods.key)
+        """What the plan's compiled kernel is known by: its name expression, and its mods' key (after "paged;" for
+        a kernel that walks pages, "dropout;" for one that drops)."""
+        flags = ("paged;" if self.shape.paged else "") + ("dropout;" if self.shape.dropout else "")
+        return self.name, flags + ("" if self.mods is None else self.mods.key)
 
     @property
     def code(self) -> str:
-        """The kernel's source string (kernels.source: its file, its mods' CUDA, whether it walks pages)."""
-        return kernels.source(self.source, "" if self.mods is None else self.mods.source, self.shape.paged)
+        """The kernel's source string (kernels.source: its file, its mods' CUDA, whether it walks pages and
+        whether it drops)."""
+        return kernels.source(self.source, "" if self.mods is None else self.mods.source, self.shape.paged,
+                              self.shape.dropout)
 
     def with_mods(self, mods) -> "Plan":
         """The same plan for a kernel compiled with these mods (None: without)."""

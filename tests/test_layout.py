@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(not simt.available(), reason=str(simt.unavailabl
 
 def test_geometry_table_layout_equals_the_kernels():
     asserts = launch.layout_asserts()
-    structs = (launch.OPERAND_STRIDES, launch.GEOMETRY, launch.PAGES, kernel_mods.TABLE, kernel_mods.VISITS,
-               kernel_mods.ARGS) + \
+    structs = (launch.OPERAND_STRIDES, launch.GEOMETRY, launch.PAGES, launch.DROPPING, kernel_mods.TABLE,
+               kernel_mods.VISITS, kernel_mods.ARGS) + \
         tuple(launch.PARAMS.values())
     every_field = sum(len(dtype.names) for dtype in structs)
     assert len(asserts) == 3 + len(launch.OPERANDS) + len(launch.FLAGS) + 3 + len(structs) + every_field
@@ -33,7 +33,7 @@ def compiler_verdict(asserts, source="block.cuh"):
 
 @pytest.mark.parametrize("drift", ["cuflash::kMaxBatchDims == 6", "(int)cuflash::kLse == 6", "kBiasHides == 64",
                                    "Geometry, split_out) == 904", "sizeof(cuflash::OperandStrides) == 64",
-                                   "Params<double>, scale) == 240", "Params<__half>, flags) == 240",
+                                   "Params<double>, scale) == 392", "Params<__half>, flags) == 392",
                                    "Pages, stride_v) == 40",
                                    "mods::Args, error) == 632", "mods::Visits, owned) == 64",
                                    "cuflash::mods::kMaxTables == 8"])

@@ -49,9 +49,9 @@ MODS = "mods.cuh"
 
 
 @functools.lru_cache(maxsize=256)
-def source(entry: str = "forward.cuh", mods: str = "", paged: bool = False) -> str:
+def source(entry: str = "forward.cuh", mods: str = "", paged: bool = False, dropout: bool = False) -> str:
     """The one source string of `entry` with its local headers resolved; mods: the CUDA of a kernel's mods
     (kernels/mods.py), placed right after mods.cuh; paged: the kernels walk the pages of paged keys and values
-    (tile.cuh's kPaged)."""
-    defines = ["#define CUFLASH_PAGED 1"] if paged else []
+    (tile.cuh's kPaged); dropout: they drop probabilities (tile.cuh's kDropout)."""
+    defines = ["#define CUFLASH_PAGED 1"] * paged + ["#define CUFLASH_DROPOUT 1"] * dropout
     return "\n".join(defines + _inline(entry, set(), mods)) + "\n"

@@ -117,6 +117,71 @@ struct Pages {
 #endif
 constexpr bool kPaged = CUFLASH_PAGED != 0;
 
+// Attention dropout (kernels compiled with CUFLASH_DROPOUT; cuflash/dropout.py is the Python twin and says why):
+// element (b, i, j) is kept when word j & 3 of Philox-4x32-10 of the counter (j >> 2, i, b mod 2^32, b >> 32)
+// under the 64-bit seed is at least `threshold`, and a kept probability is scaled by `scale` = 1 / (1 - p). b is
+// base + sum over the problem's batch axes of the batch item's index times strides[axis] (shape: the problem's
+// batch shape, rank axes, last fastest); i and j are offset by row0 and key0 (a Dask task's chunk).
+struct Dropping {
+    unsigned long long seed;
+    long long base, row0, key0;
+    long long shape[kMaxBatchDims], strides[kMaxBatchDims];
+    long long rank;
+    double scale;
+    unsigned threshold;
+};
+#ifndef CUFLASH_DROPOUT
+#define CUFLASH_DROPOUT 0
+#endif
+constexpr bool kDropout = CUFLASH_DROPOUT != 0;
+
+// Philox-4x32-10 (Salmon et al., SC 2011): four 32-bit words of the counter c under the key (k0, k1).
+struct Words { unsigned x[4]; };
+__device__ __forceinline__ Words philox(unsigned c0, unsigned c1, unsigned c2, unsigned c3, unsigned k0,
+                                        unsigned k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned long long p0 = 0xD2511F53ull * c0, p1 = 0xCD9E8D57ull * c2;
+        const unsigned h0 = (unsigned)(p0 >> 32), l0 = (unsigned)p0, h1 = (unsigned)(p1 >> 32), l1 = (unsigned)p1;
+        c0 = h1 ^ c1 ^ k0;
+        c1 = l1;
+        c2 = h0 ^ c3 ^ k1;
+        c3 = l0;
+    }
+    return {{c0, c1, c2, c3}};
+}
+
+// The dropout of one batch item: whether (i, j) is kept, four keys at a time (the Philox words of keys
+// 4 (j >> 2) ... + 3 come together: keep4 gives their bits, bit t for key 4 (j >> 2) + t).
+struct DropoutRow {
+    unsigned long long seed;
+    unsigned long long b;
+    long long row0, key0;
+    unsigned threshold;
+    __device__ __forceinline__ unsigned keep4(long long i, long long j) const {
+        const unsigned long long jj = (unsigned long long)(j + key0);
+        const Words w = philox((unsigned)(jj >> 2), (unsigned)(i + row0), (unsigned)b, (unsigned)(b >> 32),
+                               (unsigned)seed, (unsigned)(seed >> 32));
+        return (w.x[0] >= threshold) | (w.x[1] >= threshold) << 1 | (w.x[2] >= threshold) << 2 |
+               (w.x[3] >= threshold) << 3;
+    }
+    __device__ __forceinline__ bool keeps(long long i, long long j) const {
+        return (keep4(i, j) >> ((unsigned long long)(j + key0) & 3)) & 1;
+    }
+};
+__device__ __forceinline__ DropoutRow dropout_of(const Dropping& d, long long item) {
+    unsigned long long b = (unsigned long long)d.base;
+    for (int axis = (int)d.rank - 1; axis >= 0; --axis) {
+        b += (unsigned long long)(item % d.shape[axis] * d.strides[axis]);
+        item /= d.shape[axis];
+    }
+    return {d.seed, b, d.row0, d.key0, d.threshold};
+}
+
 // Everything a kernel takes, one struct passed by value (its layout declared once in cuflash/launch.py, PARAMS,
 // and checked against this by the compiler): every operand (null where absent; the forward's first, then the
 // backward's, in Operand's order), the geometry table, the packed sequences' offsets, the problem's sizes, the
@@ -146,6 +211,7 @@ template <typename T, typename O = T> struct Params {
     const long long* cu_seqlens_k;
     long long sequence_items;
     Pages pages;  // paged keys and values (kernels compiled with CUFLASH_PAGED); zero in the others
+    Dropping dropout;  // attention dropout (kernels compiled with CUFLASH_DROPOUT); zero in the others
     long long n, m, d, e, left, right;
     Acc scale_log2, scale;
     int flags;
