@@ -266,7 +266,7 @@ class Patterns:
     mask_mod: Any = None
     sinks: Any = None
     block_mask: Any = None
-    dropout: Tuple[float, Optional[int]] = (0.0, None)  # (dropout_p, seed), checked (dropout.check)
+    dropout: Any = (0.0, None)  # (dropout_p, seed) checked (dropout.check), or a placed dropout.Dropout
 
 
 def make_problem(xp, q, k, v, scale, causal, window, mask, bias, others=(), precision=None, patterns=None):
@@ -358,9 +358,10 @@ def pattern_fields(patterns, batch, n, m, dtype, xp):
                              f"{batch}; give one logit per batch item (for (B, H, n, d) inputs: shape (H,) or "
                              f"(B, H))")
         fields["sinks"] = xp.broadcast_to(sinks.astype(acc_dtype_of(dtype), copy=False), batch)
-    p, seed = patterns.dropout
-    if p > 0:
-        fields["dropout"] = dropout.Dropout(p, seed, dropout.row_major(batch))
+    if isinstance(patterns.dropout, dropout.Dropout):  # placed in a larger call (a Dask task's chunks)
+        fields["dropout"] = patterns.dropout
+    elif patterns.dropout[0] > 0:
+        fields["dropout"] = dropout.Dropout(*patterns.dropout, dropout.row_major(batch))
     return fields
 
 

@@ -10,6 +10,8 @@ output at most: the n x m scores never exist, not even per chunk pair.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import itertools
 import operator
@@ -23,7 +25,7 @@ from dask.array.utils import meta_from_array
 from dask.base import tokenize
 from dask.highlevelgraph import HighLevelGraph
 
-from . import api, blockmask, mods
+from . import api, dropout, blockmask, mods
 from .blockmask import BlockMask
 from .dtypes import acc_dtype_of
 from .merging import array_module, merge
@@ -33,8 +35,8 @@ NAME = "cuflash.dask.attention"
 
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None, score_mod=None,
-              mask_mod=None, block_mask=None, sinks=None, return_lse=False, backend=None, block=None,
-              precision: Optional[str] = None, split_every: Optional[int] = None):
+              mask_mod=None, block_mask=None, sinks=None, dropout_p=0.0, seed=None, return_lse=False, backend=None,
+              block=None, precision: Optional[str] = None, split_every: Optional[int] = None):
     """cuflash.attention on Dask arrays (any operand may also be a NumPy or CuPy array): lazy, returns a Dask
     array (and the lse with return_lse=True) chunked as q along the query axis, and along each batch axis as the
     common refinement of the operands' chunks there.
@@ -46,7 +48,8 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     and the query axis of mask and bias to q's. Each task runs the backend its chunks' type picks (NumPy chunks:
     numpy, CuPy chunks: cupy) unless backend= forces one. score_mod and mask_mod see global indices (each task's
     chunk offsets added); a chunk pair a block mask (block_mask=, made from a mask_mod) hides makes no task; the
-    sinks join each query chunk's merged result once."""
+    sinks join each query chunk's merged result once. Dropout keeps the elements cuflash.attention keeps on the
+    whole arrays (each task's chunk placed in them; a seed drawn for seed=None is drawn once, for the graph)."""
     return_lse = api.check_flag(return_lse, "return_lse")
     operands = [as_dask(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (bias, "bias"))]
     batch, n, m, d, e, dtype = api.core_sizes(*operands)
@@ -55,7 +58,8 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     settings = dict(scale=api.check_scale(scale, d), backend=backend, block=block,
                     precision=api.check_precision(precision, dtype, NAME))
     chunked = Chunked.of(operands, batch)
-    patterns = Patterns.of(score_mod, mask_mod, block_mask, sinks, batch, n, m, dtype, xp)
+    patterns = Patterns.of(score_mod, mask_mod, block_mask, sinks, batch, n, m, dtype, xp,
+                           dropout.check(dropout_p, seed, NAME))
     graph = Graph(chunked, n, m, api.visibility_window(window, causal), settings, merge_fan_in(split_every),
                   patterns)
     out, lse = graph.arrays(dtype)
@@ -91,11 +95,12 @@ class Patterns:
     """score_mod and mask_mod (traced once here, so a mod that cannot be traced fails at once), the sinks
     broadcast to the batch (in the accumulation type) and the block mask, as the graph uses them."""
 
-    def __init__(self, score_mod, mask_mod, block_mask, sinks):
+    def __init__(self, score_mod, mask_mod, block_mask, sinks, dropping=None):
         self.score_mod, self.mask_mod, self.block_mask, self.sinks = score_mod, mask_mod, block_mask, sinks
+        self.dropping = dropping  # the whole call's dropout (cuflash.dropout.Dropout), or None
 
     @classmethod
-    def of(cls, score_mod, mask_mod, block_mask, sinks, batch, n, m, dtype, xp):
+    def of(cls, score_mod, mask_mod, block_mask, sinks, batch, n, m, dtype, xp, dropping=(0.0, None)):
         for fn, kind in ((score_mod, "score"), (mask_mod, "mask")):
             if fn is not None:
                 mods.trace(fn, kind, len(batch))
@@ -111,7 +116,9 @@ class Patterns:
             mask_mod = block_mask.function
         if sinks is not None:
             sinks = api.pattern_fields(api.Patterns(sinks=sinks), batch, n, m, dtype, xp)["sinks"]
-        return cls(score_mod, mask_mod, block_mask, sinks)
+        p, seed = dropping
+        return cls(score_mod, mask_mod, block_mask, sinks,
+                   dropout.Dropout(p, seed, dropout.row_major(batch)) if p > 0 else None)
 
     def shown(self, block_starts, block_shape, rows, cols) -> bool:
         """Whether the block mask shows any tile of the batch block's items x rows x cols (True without one)."""
@@ -126,9 +133,13 @@ class Patterns:
         return bool((tiles != blockmask.HIDDEN).any())
 
     def for_pair(self, block_starts, i0, j0):
-        """The mods of one chunk pair's task: the indices it sees shifted to the global ones."""
+        """The mods and the dropout of one chunk pair's task: the indices it sees shifted to the global ones."""
+        placed = None
+        if self.dropping is not None:
+            base = sum(start * stride for start, stride in zip(block_starts, self.dropping.strides))
+            placed = dataclasses.replace(self.dropping, base=base, row0=i0, key0=j0)
         return {"score_mod": shifted(self.score_mod, True, block_starts, i0, j0),
-                "mask_mod": shifted(self.mask_mod, False, block_starts, i0, j0)}
+                "mask_mod": shifted(self.mask_mod, False, block_starts, i0, j0), "dropout": placed}
 
     def sinks_of(self, block_starts, block_shape):
         if self.sinks is None:
@@ -333,8 +344,15 @@ def offsets(chunks):
 
 
 def attend_pair(q, k, v, mask, bias, window, settings, patterns):
-    """(out, lse) of a query chunk over one key chunk, out in the accumulation type for the merges."""
-    out, lse = api.attention(q, k, v, mask=mask, bias=bias, window=window, return_lse=True, **settings, **patterns)
+    """(out, lse) of a query chunk over one key chunk, out in the accumulation type for the merges (the front
+    door's own steps, its dropout placed in the whole call)."""
+    placed = patterns["dropout"]
+    xp = api.array_module(q, k, v, mask, bias, None)
+    with api.device_of(xp, (q, k, v, mask, bias)):
+        chosen = api.Patterns(patterns["score_mod"], patterns["mask_mod"],
+                              dropout=(0.0, None) if placed is None else placed)
+        out, lse = api._attention(xp, q, k, v, settings["scale"], False, window, mask, bias, chosen, None, True,
+                                  settings["backend"], settings["block"], settings["precision"])
     return out.astype(lse.dtype, copy=False), lse
 
 

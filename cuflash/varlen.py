@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import api, backends, mods
+from . import api, backends, dropout, mods
 from .dtypes import acc_dtype_of, common_dtype, describe, is_real_float, same_kind
 from .family import check_precision
 from .problem import Packed, Problem
@@ -75,8 +75,8 @@ class Layout:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, /, *, max_seqlen_q: Optional[int] = None,
                      max_seqlen_k: Optional[int] = None, scale=None, causal=False, window=None, score_mod=None,
-                     mask_mod=None, sinks=None, out=None, return_lse=False, backend: Optional[str] = None,
-                     block=None, precision: Optional[str] = None):
+                     mask_mod=None, sinks=None, dropout_p=0.0, seed=None, out=None, return_lse=False,
+                     backend: Optional[str] = None, block=None, precision: Optional[str] = None):
     """Attention over a batch of sequences of different lengths packed along one axis (FlashAttention's varlen
     layout), each sequence attending only to its own keys.
 
@@ -88,14 +88,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, /, *, max_seqlen_q: Op
     size; smaller than a sequence is an error).
     causal, window: as attention's, aligned bottom-right within each sequence. score_mod(score, s, h, i, j) and
     mask_mod(s, h, i, j): as attention's, with the sequence s, the query head h and positions i, j inside the
-    sequence. sinks: one logit per query head (H,) or per sequence and head (sequences, H).
+    sequence. sinks: one logit per query head (H,) or per sequence and head (sequences, H). dropout_p, seed: as
+    attention's, element (s, h, i, j) counted as batch item s * H + h with i, j inside the sequence.
     out: (total_q, H, e). Returns out, or (out, lse) with return_lse=True, lse of shape (total_q, H).
     scale, backend, block, precision: as attention's."""
     xp = api.array_module(q, k, v, None, None, out, sinks=sinks)
     with api.device_of(xp, (q, k, v, out)):
         return_lse = api.check_flag(return_lse, "return_lse")
         problem, layout = varlen_problem(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         scale, causal, window, score_mod, mask_mod, sinks, precision, (out,))
+                                         scale, causal, window, score_mod, mask_mod, sinks, precision, (out,),
+                                         dropout.check(dropout_p, seed, NAME))
         runner = backends.get(backend, xp)
         result, target = api.output_for(problem, out, (q, k, v), (layout.total_q, layout.heads, layout.e), NAME)
         lse = xp.empty((layout.total_q, layout.heads), dtype=problem.acc_dtype) if return_lse else None
@@ -110,7 +112,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, /, *, max_seqlen_q: Op
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, /, *,
                               max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, scale=None,
                               causal=False, window=None, score_mod=None, mask_mod=None, sinks=None,
-                              backend: Optional[str] = None, block=None,
+                              dropout_p=0.0, seed=None, backend: Optional[str] = None, block=None,
                               precision: Optional[str] = None) -> Tuple[Array, ...]:
     """The gradients (dq, dk, dv) of attention_varlen's result given dout (total_q, H, e), and dsinks (the sinks'
     shape) with sinks=; out and lse are the forward call's (return_lse=True), the other arguments its own.
@@ -120,7 +122,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     with api.device_of(xp, (q, k, v, dout, out, lse)):
         saved = [api.as_array(x, xp, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse"))]
         problem, layout = varlen_problem(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         scale, causal, window, score_mod, mask_mod, sinks, precision, saved)
+                                         scale, causal, window, score_mod, mask_mod, sinks, precision, saved,
+                                         dropout.check(dropout_p, seed, NAME + "_backward", backward=True))
         dout, out, lse = check_saved(layout, *saved)
         runner = backends.get(backend, xp)
         acc = problem.acc_dtype
@@ -139,7 +142,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
 
 def varlen_problem(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window,
-                   score_mod, mask_mod, sinks, precision, others):
+                   score_mod, mask_mod, sinks, precision, others, dropping=(0.0, None)):
     """The Problem of a packed call and its Layout, every argument checked before any kernel runs."""
     q, k, v = (api.as_array(x, xp, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     check_operands(q, k, v)
@@ -155,7 +158,8 @@ def varlen_problem(xp, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         dtype=dtype, acc_dtype=acc_dtype_of(dtype), scale=api.check_scale(scale, layout.d),
         window=api.visibility_window(window, causal), xp=xp, precision=check_precision(precision, dtype, NAME),
         score_mod=traced["score_mod"], mask_mod=traced["mask_mod"],
-        sinks=None if sinks is None else head_sinks(xp, sinks, layout.batch, dtype, NAME), packed=layout.packed())
+        sinks=None if sinks is None else head_sinks(xp, sinks, layout.batch, dtype, NAME), packed=layout.packed(),
+        dropout=dropout.Dropout(*dropping, dropout.row_major(layout.batch)) if dropping[0] > 0 else None)
     return problem, layout
 
 
