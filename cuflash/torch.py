@@ -9,7 +9,9 @@ backward are torch.library custom operators (cuflash::attention_forward, cuflash
 tensor rules, so torch.compile traces them as single opaque nodes. Only the front door is called: this module
 translates tensors and nothing else.
 
-attention(..., enable_gqa=True) pairs query heads with fewer key and value heads by views, never copies.
+scaled_dot_product_attention is a drop-in for torch.nn.functional.scaled_dot_product_attention (its arguments,
+top-left causal alignment, masks, enable_gqa and errors) on the same operators; attention(..., enable_gqa=True)
+pairs query heads with fewer key and value heads by views, never copies.
 
 The backward is cuflash.attention_backward: the numpy backend's blocked algorithm for CPU tensors, the CUDA
 backward kernels (the blocked algorithm on CuPy's arrays past their head dims) for CUDA tensors. lse, when
@@ -28,7 +30,8 @@ from . import api, mods, varlen
 from .blockmask import BlockMask
 from .dtypes import bfloat16, common_dtype
 
-__all__ = ["attention", "attention_varlen", "register_with_transformers", "transformers_attention"]
+__all__ = ["attention", "attention_varlen", "register_with_transformers", "scaled_dot_product_attention",
+           "transformers_attention"]
 
 NAME = "cuflash.torch.attention"
 
@@ -198,7 +201,7 @@ def offsets_tensor(x, device: torch.device, name: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Grouped-query heads
+# Grouped-query heads, and PyTorch's scaled_dot_product_attention
 
 
 class Groups:
@@ -306,6 +309,101 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                 f"broadcast; for grouped-query attention pass enable_gqa=True (query head h reads key head "
                 f"h // {heads // kv}, nothing is copied), or reshape q to (..., {kv}, {heads // kv}, n, d) and k, v "
                 f"to (..., {kv}, 1, m, d)")
+
+
+SDPA = "cuflash.torch.scaled_dot_product_attention"
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, *, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention, computed by cuflash (never holding the L x S scores):
+    the same arguments, results, gradients and errors, so that replacing one with the other changes only speed
+    and memory.
+
+    query (..., L, E), key (..., S, E), value (..., S, Ev), their leading dims broadcast; attn_mask boolean (True
+    = attend) or floating (float32 or the query's dtype: added to the scaled scores, differentiable),
+    broadcastable to the attention weights (..., L, S) without enlarging them; is_causal: query i sees keys
+    j <= i, top-left aligned as SDPA's even when L != S (cuflash's window=(None, L - S)); scale: default
+    1/sqrt(E); enable_gqa: query (..., Hq, L, E) against key and value heads dividing Hq, query head h reading key
+    head h // (Hq // Hk), by views (k and v are never repeated). Returns (..., L, Ev) in the query's dtype.
+
+    A row that sees no key (a boolean mask hiding all of it, or a float mask of -inf) gives 0 and zero
+    gradients, as SDPA's does. Errors are SDPA's RuntimeErrors (dtypes that differ, a mask of another dtype,
+    shapes that do not broadcast, heads that do not divide); is_causal with attn_mask is one, as SDPA documents
+    and its math backend raises (its fused CPU kernel applies both instead). dropout_p other than 0 is a
+    NotImplementedError: attention dropout is not supported yet. Differences: a 0-d or 1-d attn_mask broadcasts
+    here (SDPA raises IndexError), as does a mask broadcast over value's leading dims (SDPA's adds the mask to
+    query's and key's broadcast only); a non-finite scale is a ValueError, and so is enable_gqa with key and
+    value heads of which neither divides the other (no view pairs them with the query heads)."""
+    check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa)
+    if dropout_p != 0.0:  # attention dropout: the one place to wire it in
+        raise NotImplementedError(f"{SDPA}: attention dropout (dropout_p={dropout_p}) is not supported yet; pass "
+                                  f"dropout_p=0.0 (as models do in eval mode)")
+    floating = attn_mask is not None and attn_mask.dtype != torch.bool
+    window = (None, query.shape[-2] - key.shape[-2]) if is_causal else None  # top-left: j <= i
+    return attention(query, key, value, scale=scale, window=window, mask=None if floating else attn_mask,
+                     bias=attn_mask if floating else None, enable_gqa=enable_gqa)
+
+
+def check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
+    """SDPA's checks, as RuntimeErrors (TypeErrors for arguments that are no tensors or flags), before any call."""
+    for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask")):
+        if not isinstance(x, torch.Tensor) and (x is not None or name != "attn_mask"):
+            raise TypeError(f"{SDPA}: {name} must be a Tensor, not {type(x).__name__}")
+    for flag, name in ((is_causal, "is_causal"), (enable_gqa, "enable_gqa")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{SDPA}: {name} must be bool, not {type(flag).__name__}")
+    if min(x.dim() for x in (query, key, value)) < 2:
+        raise RuntimeError(f"{SDPA}: expected query, key and value to be at least 2-dimensional, got "
+                           f"{query.dim()}, {key.dim()} and {value.dim()}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(f"{SDPA}: expected query, key and value to have the same dtype, got {query.dtype}, "
+                           f"{key.dtype} and {value.dtype}")
+    if key.shape[-1] != query.shape[-1] or value.shape[-2] != key.shape[-2]:
+        raise RuntimeError(f"{SDPA}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                           f"{tuple(value.shape)} must be (..., L, E), (..., S, E) and (..., S, Ev)")
+    batch = sdpa_batch(query, key, value, enable_gqa)
+    if attn_mask is None:
+        return
+    if is_causal:
+        raise RuntimeError(f"{SDPA}: an explicit attn_mask should not be set when is_causal=True (AND the causal "
+                           f"mask into attn_mask instead)")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise RuntimeError(f"{SDPA}: expected attn_mask dtype to be bool or float or to match query dtype, got "
+                           f"{attn_mask.dtype} for a query of {query.dtype}")
+    weights = batch + (query.shape[-2], key.shape[-2])
+    try:
+        fits = tuple(torch.broadcast_shapes(tuple(attn_mask.shape), weights)) == weights
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(f"{SDPA}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
+                           f"attention weights' shape {weights}")
+
+
+def sdpa_batch(query, key, value, enable_gqa) -> Tuple[int, ...]:
+    """The result's leading dims (SDPA's broadcasting of query, key and value), or SDPA's RuntimeError."""
+    if enable_gqa:
+        if min(x.dim() for x in (query, key, value)) < 3:
+            raise RuntimeError(f"{SDPA}: enable_gqa=True takes query, key and value with a head axis (dim -3)")
+        heads, kv = query.shape[-3], (key.shape[-3], value.shape[-3])
+        if 0 in kv or heads % kv[0] or heads % kv[1]:
+            raise RuntimeError(f"{SDPA}: number of heads in key ({kv[0]}) and value ({kv[1]}) must divide the "
+                               f"number of heads in query ({heads})")
+        shapes = [tuple(x.shape[:-3]) for x in (query, key, value)]
+    else:
+        shapes = [tuple(x.shape[:-2]) for x in (query, key, value)]
+    try:
+        batch = tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        hint = ""
+        if min(x.dim() for x in (query, key, value)) >= 3 and key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
+            hint = "; for grouped-query attention pass enable_gqa=True"
+        raise RuntimeError(f"{SDPA}: the leading dims of query {tuple(query.shape)}, key {tuple(key.shape)} and "
+                           f"value {tuple(value.shape)} do not broadcast{hint}") from None
+    return batch + ((query.shape[-3],) if enable_gqa else ())
 
 
 # ----------------------------------------------------------------------------------------------------------------
