@@ -9,6 +9,10 @@ backward are torch.library custom operators (cuflash::attention_forward, cuflash
 tensor rules, so torch.compile traces them as single opaque nodes. Only the front door is called: this module
 translates tensors and nothing else.
 
+scaled_dot_product_attention is a drop-in for torch.nn.functional.scaled_dot_product_attention (its arguments,
+top-left causal alignment, masks, enable_gqa and errors) on the same operators; attention(..., enable_gqa=True)
+pairs query heads with fewer key and value heads by views, never copies.
+
 The backward is cuflash.attention_backward: the numpy backend's blocked algorithm for CPU tensors, the CUDA
 backward kernels (the blocked algorithm on CuPy's arrays past their head dims) for CUDA tensors. lse, when
 returned, is not differentiable.
@@ -26,7 +30,8 @@ from . import api, mods, varlen
 from .blockmask import BlockMask
 from .dtypes import bfloat16, common_dtype
 
-__all__ = ["attention", "attention_varlen", "register_with_transformers", "transformers_attention"]
+__all__ = ["attention", "attention_varlen", "register_with_transformers", "scaled_dot_product_attention",
+           "transformers_attention"]
 
 NAME = "cuflash.torch.attention"
 
@@ -36,13 +41,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
               mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
               score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
               block_mask: Optional[BlockMask] = None, sinks: Optional[torch.Tensor] = None,
-              return_lse: bool = False, precision: Optional[str] = None):
+              return_lse: bool = False, precision: Optional[str] = None, enable_gqa: bool = False):
     """cuflash.attention with the same keywords, on torch tensors (all on one device); differentiable in q, k,
     v, bias and sinks (the backward runs with the same precision), and in the floating tensors score_mod closes
     over that require grad (learnable ALiBi slopes, a relative-position table: attention_backward's
     score_mod_grads). score_mod and mask_mod may be written with torch's operations over the tensors they close
     over (a mod written for flex_attention works unchanged); such calls run as an autograd function rather than
-    the custom operators (a function is no operator argument). Returns out, or (out, lse) with return_lse=True."""
+    the custom operators (a function is no operator argument). Returns out, or (out, lse) with return_lse=True.
+
+    enable_gqa: grouped-query attention as SDPA's enable_gqa: q (..., H, n, d) against k (..., Hk, m, d) and v
+    (..., Hv, m, e), Hk and Hv dividing H, query head h reading key head h // (H // Hk) and value head
+    h // (H // Hv). Done by views (q split to (..., Hk, H // Hk, n, d), k and v given a size-1 group axis), so k
+    and v are never repeated and their gradients are the sums over their groups. mask, bias and sinks are
+    broadcastable to the (..., H, n, m) and (..., H) of the query heads, and mods see (..., h, i, j) as without
+    it; block_mask is refused (make one for the grouped shapes and reshape yourself). Without it, k and v must
+    have H heads or one head: (..., 4, n, d) against (..., 2, m, d) is a ValueError that says so."""
+    groups = Groups.of(q, k, v) if enable_gqa else None
+    if groups is None:
+        check_heads(q, k, v)
+    else:
+        if block_mask is not None:
+            raise ValueError(f"{NAME}: enable_gqa=True does not take block_mask= (one is made for one batch shape); "
+                             f"reshape q to (..., {groups.text(groups.levels)}, n, d), k to (..., "
+                             f"{groups.text(groups.key_levels)}, m, d) and v to (..., "
+                             f"{groups.text(groups.value_levels)}, m, e), make the block mask for that batch shape "
+                             f"and call without enable_gqa")
+        q, k, v = groups.query(q), groups.operand(k, groups.key_levels), groups.operand(v, groups.value_levels)
+        mask, bias = groups.scores(mask, "mask"), groups.scores(bias, "bias")
+        sinks = groups.per_head(sinks)
+        nbatch = max([x.dim() for x in (q, k, v)] + [max(x.dim(), 2) for x in (mask, bias) if x is not None]) - 2
+        score_mod, mask_mod = groups.mod(score_mod, "score", nbatch), groups.mod(mask_mod, "mask", nbatch)
+    out, lse = grouped_attention(q, k, v, scale, causal, window, mask, bias, score_mod, mask_mod, block_mask, sinks,
+                                 precision)
+    if groups is not None:
+        out, lse = groups.ungroup(out, 2), groups.ungroup(lse, 1)
+    return (out, lse) if return_lse else out
+
+
+def grouped_attention(q, k, v, scale, causal, window, mask, bias, score_mod, mask_mod, block_mask, sinks, precision):
+    """attention's (out, lse) for operands whose batch axes broadcast (the query heads grouped, if asked): the
+    custom operators, or the autograd function for patterns."""
     left, right = (None, None) if window is None else window
     scale = None if scale is None else float(scale)
     precision = api.check_precision(precision, None, NAME)  # refused here, traced or not; the dtype's rule in the op
@@ -53,7 +91,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     else:
         out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right,
                                                        precision)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def learnable(score_mod) -> Tuple[torch.Tensor, ...]:
@@ -160,6 +198,212 @@ def offsets_tensor(x, device: torch.device, name: str) -> torch.Tensor:
     if array.dtype.kind not in "iu":
         raise TypeError(f"{NAME}_varlen: {name} must hold integers (sequence offsets), got {array.dtype}")
     return torch.as_tensor(array.astype(np.int64), device=device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grouped-query heads, and PyTorch's scaled_dot_product_attention
+
+
+class Groups:
+    """How enable_gqa groups H query heads over Hk key heads and Hv value heads with views: q's head axis split into
+    levels, (Hk, H // Hk) when Hk == Hv, else (a, b // a, H // b) for a and b the fewer and the more of Hk and Hv
+    (one must divide the other: no view says anything else); k's and v's head axes split into the levels they span,
+    with size 1 for the rest, so that broadcasting pairs query head h with key head h // (H // Hk) and value head
+    h // (H // Hv)."""
+
+    def __init__(self, heads: int, levels: Tuple[int, ...], key_levels: Tuple[int, ...],
+                 value_levels: Tuple[int, ...]):
+        self.heads, self.levels, self.key_levels, self.value_levels = heads, levels, key_levels, value_levels
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Groups":
+        if min(x.dim() for x in (q, k, v)) < 3:
+            raise ValueError(f"{NAME}: enable_gqa=True takes q, k and v with a head axis, (..., heads, n, d); they "
+                             f"have {q.dim()}, {k.dim()} and {v.dim()} dimensions")
+        heads, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+        if hk == 0 or hv == 0 or heads % hk or heads % hv:
+            raise ValueError(f"{NAME}: enable_gqa=True needs key heads ({hk}) and value heads ({hv}) that divide "
+                             f"the query heads ({heads}) (dim -3)")
+        if hk == hv:
+            return Groups(heads, (hk, heads // hk), (hk, 1), (hk, 1))
+        few, many = sorted((hk, hv))
+        if many % few:
+            raise ValueError(f"{NAME}: enable_gqa=True with {hk} key heads and {hv} value heads: grouped without "
+                             f"copies only when one of them divides the other")
+        levels = (few, many // few, heads // many)
+        spans = {many: (few, many // few, 1), few: (few, 1, 1)}
+        return Groups(heads, levels, spans[hk], spans[hv])
+
+    @staticmethod
+    def text(levels: Tuple[int, ...]) -> str:
+        return ", ".join(map(str, levels))
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        return self.operand(q, self.levels)
+
+    @staticmethod
+    def operand(x: torch.Tensor, levels: Tuple[int, ...]) -> torch.Tensor:
+        """x's head axis (dim -3) split into levels: a view."""
+        return x.reshape(tuple(x.shape[:-3]) + levels + tuple(x.shape[-2:]))
+
+    def split(self, x: Optional[torch.Tensor], axis: int, name: str, what: str) -> Optional[torch.Tensor]:
+        """x's query-head axis (axis from the end: H or 1, or absent) split into the levels (or size-1 axes)."""
+        if x is None or x.dim() < axis:
+            return x
+        size = x.shape[-axis]
+        if size not in (1, self.heads):
+            raise ValueError(f"{NAME}: {name} of shape {tuple(x.shape)} does not broadcast to {what} with the "
+                             f"{self.heads} query heads: its dim {-axis} must be 1 or {self.heads}")
+        levels = self.levels if size == self.heads else (1,) * len(self.levels)
+        return x.reshape(tuple(x.shape[:-axis]) + levels + tuple(x.shape[x.dim() - axis + 1:]))
+
+    def scores(self, x: Optional[torch.Tensor], name: str) -> Optional[torch.Tensor]:
+        """A mask or bias broadcastable to (..., H, n, m), grouped."""
+        return self.split(x, 3, name, "(..., heads, n, m)")
+
+    def per_head(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Sinks broadcastable to (..., H), grouped."""
+        return self.split(x, 1, "sinks", "(..., heads)")
+
+    def ungroup(self, x: torch.Tensor, core: int) -> torch.Tensor:
+        """A result (..., *levels, *core dims) as (..., H, *core dims): a view."""
+        shape = tuple(x.shape)
+        return x.reshape(shape[:len(shape) - core - len(self.levels)] + (self.heads,) + shape[len(shape) - core:])
+
+    def mod(self, fn: Optional[Callable], kind: str, nbatch: int) -> Optional[Callable]:
+        """The user's mod of (..., h, i, j) as a mod of the grouped call's (..., *levels, i, j): h from the levels'
+        indices (the tracer sees through it, and finds what fn closes over)."""
+        if fn is None:
+            return None
+        seen = nbatch - len(self.levels) + 1
+        mods.check_arity(fn, seen + 2 + (kind == "score"), seen, kind, f"{kind}_mod")
+        count, sizes = len(self.levels), self.levels[1:]
+
+        def head_of(indices):
+            head = indices[0]
+            for index, size in zip(indices[1:], sizes):
+                if size != 1:
+                    head = head * size + index
+            return head
+
+        def grouped_score_mod(score, *idx):
+            return fn(score, *idx[:-count - 2], head_of(idx[-count - 2:-2]), idx[-2], idx[-1])
+
+        def grouped_mask_mod(*idx):
+            return fn(*idx[:-count - 2], head_of(idx[-count - 2:-2]), idx[-2], idx[-1])
+        return grouped_score_mod if kind == "score" else grouped_mask_mod
+
+
+def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Without enable_gqa, k or v with fewer heads than q, dividing them (grouped-query attention asked the wrong
+    way), is refused with the ways to ask for it (the front door would only say that the batches do not
+    broadcast)."""
+    if min(x.dim() for x in (q, k, v)) < 3:
+        return
+    heads = q.shape[-3]
+    for x in (k, v):
+        kv = x.shape[-3]
+        if kv not in (0, 1, heads) and heads % kv == 0:
+            raise ValueError(
+                f"{NAME}: q has {heads} heads and k, v have {k.shape[-3]} and {v.shape[-3]} (dim -3), which do not "
+                f"broadcast; for grouped-query attention pass enable_gqa=True (query head h reads key head "
+                f"h // {heads // kv}, nothing is copied), or reshape q to (..., {kv}, {heads // kv}, n, d) and k, v "
+                f"to (..., {kv}, 1, m, d)")
+
+
+SDPA = "cuflash.torch.scaled_dot_product_attention"
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, *, scale: Optional[float] = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """torch.nn.functional.scaled_dot_product_attention, computed by cuflash (never holding the L x S scores):
+    the same arguments, results, gradients and errors, so that replacing one with the other changes only speed
+    and memory.
+
+    query (..., L, E), key (..., S, E), value (..., S, Ev), their leading dims broadcast; attn_mask boolean (True
+    = attend) or floating (float32 or the query's dtype: added to the scaled scores, differentiable),
+    broadcastable to the attention weights (..., L, S) without enlarging them; is_causal: query i sees keys
+    j <= i, top-left aligned as SDPA's even when L != S (cuflash's window=(None, L - S)); scale: default
+    1/sqrt(E); enable_gqa: query (..., Hq, L, E) against key and value heads dividing Hq, query head h reading key
+    head h // (Hq // Hk), by views (k and v are never repeated). Returns (..., L, Ev) in the query's dtype.
+
+    A row that sees no key (a boolean mask hiding all of it, or a float mask of -inf) gives 0 and zero
+    gradients, as SDPA's does. Errors are SDPA's RuntimeErrors (dtypes that differ, a mask of another dtype,
+    shapes that do not broadcast, heads that do not divide); is_causal with attn_mask is one, as SDPA documents
+    and its math backend raises (its fused CPU kernel applies both instead). dropout_p other than 0 is a
+    NotImplementedError: attention dropout is not supported yet. Differences: a 0-d or 1-d attn_mask broadcasts
+    here (SDPA raises IndexError), as does a mask broadcast over value's leading dims (SDPA's adds the mask to
+    query's and key's broadcast only); a non-finite scale is a ValueError, and so is enable_gqa with key and
+    value heads of which neither divides the other (no view pairs them with the query heads)."""
+    check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa)
+    if dropout_p != 0.0:  # attention dropout: the one place to wire it in
+        raise NotImplementedError(f"{SDPA}: attention dropout (dropout_p={dropout_p}) is not supported yet; pass "
+                                  f"dropout_p=0.0 (as models do in eval mode)")
+    floating = attn_mask is not None and attn_mask.dtype != torch.bool
+    window = (None, query.shape[-2] - key.shape[-2]) if is_causal else None  # top-left: j <= i
+    return attention(query, key, value, scale=scale, window=window, mask=None if floating else attn_mask,
+                     bias=attn_mask if floating else None, enable_gqa=enable_gqa)
+
+
+def check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
+    """SDPA's checks, as RuntimeErrors (TypeErrors for arguments that are no tensors or flags), before any call."""
+    for x, name in ((query, "query"), (key, "key"), (value, "value"), (attn_mask, "attn_mask")):
+        if not isinstance(x, torch.Tensor) and (x is not None or name != "attn_mask"):
+            raise TypeError(f"{SDPA}: {name} must be a Tensor, not {type(x).__name__}")
+    for flag, name in ((is_causal, "is_causal"), (enable_gqa, "enable_gqa")):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{SDPA}: {name} must be bool, not {type(flag).__name__}")
+    if min(x.dim() for x in (query, key, value)) < 2:
+        raise RuntimeError(f"{SDPA}: expected query, key and value to be at least 2-dimensional, got "
+                           f"{query.dim()}, {key.dim()} and {value.dim()}")
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(f"{SDPA}: expected query, key and value to have the same dtype, got {query.dtype}, "
+                           f"{key.dtype} and {value.dtype}")
+    if key.shape[-1] != query.shape[-1] or value.shape[-2] != key.shape[-2]:
+        raise RuntimeError(f"{SDPA}: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                           f"{tuple(value.shape)} must be (..., L, E), (..., S, E) and (..., S, Ev)")
+    batch = sdpa_batch(query, key, value, enable_gqa)
+    if attn_mask is None:
+        return
+    if is_causal:
+        raise RuntimeError(f"{SDPA}: an explicit attn_mask should not be set when is_causal=True (AND the causal "
+                           f"mask into attn_mask instead)")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise RuntimeError(f"{SDPA}: expected attn_mask dtype to be bool or float or to match query dtype, got "
+                           f"{attn_mask.dtype} for a query of {query.dtype}")
+    weights = batch + (query.shape[-2], key.shape[-2])
+    try:
+        fits = tuple(torch.broadcast_shapes(tuple(attn_mask.shape), weights)) == weights
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(f"{SDPA}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the "
+                           f"attention weights' shape {weights}")
+
+
+def sdpa_batch(query, key, value, enable_gqa) -> Tuple[int, ...]:
+    """The result's leading dims (SDPA's broadcasting of query, key and value), or SDPA's RuntimeError."""
+    if enable_gqa:
+        if min(x.dim() for x in (query, key, value)) < 3:
+            raise RuntimeError(f"{SDPA}: enable_gqa=True takes query, key and value with a head axis (dim -3)")
+        heads, kv = query.shape[-3], (key.shape[-3], value.shape[-3])
+        if 0 in kv or heads % kv[0] or heads % kv[1]:
+            raise RuntimeError(f"{SDPA}: number of heads in key ({kv[0]}) and value ({kv[1]}) must divide the "
+                               f"number of heads in query ({heads})")
+        shapes = [tuple(x.shape[:-3]) for x in (query, key, value)]
+    else:
+        shapes = [tuple(x.shape[:-2]) for x in (query, key, value)]
+    try:
+        batch = tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        hint = ""
+        if min(x.dim() for x in (query, key, value)) >= 3 and key.shape[-3] and query.shape[-3] % key.shape[-3] == 0:
+            hint = "; for grouped-query attention pass enable_gqa=True"
+        raise RuntimeError(f"{SDPA}: the leading dims of query {tuple(query.shape)}, key {tuple(key.shape)} and "
+                           f"value {tuple(value.shape)} do not broadcast{hint}") from None
+    return batch + ((query.shape[-3],) if enable_gqa else ())
 
 
 # ----------------------------------------------------------------------------------------------------------------
