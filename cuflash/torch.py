@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from . import api, mods, varlen
+from . import api, dropout, mods, varlen
 from .blockmask import BlockMask
 from .dtypes import bfloat16, common_dtype
 
@@ -41,13 +41,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
               mask: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
               score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
               block_mask: Optional[BlockMask] = None, sinks: Optional[torch.Tensor] = None,
-              return_lse: bool = False, precision: Optional[str] = None, enable_gqa: bool = False):
+              dropout_p: float = 0.0, seed: Optional[int] = None, return_lse: bool = False,
+              precision: Optional[str] = None, enable_gqa: bool = False):
     """cuflash.attention with the same keywords, on torch tensors (all on one device); differentiable in q, k,
     v, bias and sinks (the backward runs with the same precision), and in the floating tensors score_mod closes
     over that require grad (learnable ALiBi slopes, a relative-position table: attention_backward's
     score_mod_grads). score_mod and mask_mod may be written with torch's operations over the tensors they close
     over (a mod written for flex_attention works unchanged); such calls run as an autograd function rather than
     the custom operators (a function is no operator argument). Returns out, or (out, lse) with return_lse=True.
+
+    dropout_p, seed: attention dropout as cuflash.attention's; seed=None draws the seed from torch's default
+    generator (torch.manual_seed makes a step reproducible), and the backward regenerates the same keep mask.
 
     enable_gqa: grouped-query attention as SDPA's enable_gqa: q (..., H, n, d) against k (..., Hk, m, d) and v
     (..., Hv, m, e), Hk and Hv dividing H, query head h reading key head h // (H // Hk) and value head
@@ -71,14 +75,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
         sinks = groups.per_head(sinks)
         nbatch = max([x.dim() for x in (q, k, v)] + [max(x.dim(), 2) for x in (mask, bias) if x is not None]) - 2
         score_mod, mask_mod = groups.mod(score_mod, "score", nbatch), groups.mod(mask_mod, "mask", nbatch)
+    dropping = torch_dropout(dropout_p, seed)
     out, lse = grouped_attention(q, k, v, scale, causal, window, mask, bias, score_mod, mask_mod, block_mask, sinks,
-                                 precision)
+                                 precision, dropping)
     if groups is not None:
         out, lse = groups.ungroup(out, 2), groups.ungroup(lse, 1)
     return (out, lse) if return_lse else out
 
 
-def grouped_attention(q, k, v, scale, causal, window, mask, bias, score_mod, mask_mod, block_mask, sinks, precision):
+def grouped_attention(q, k, v, scale, causal, window, mask, bias, score_mod, mask_mod, block_mask, sinks, precision,
+                      dropping=(0.0, None)):
     """attention's (out, lse) for operands whose batch axes broadcast (the query heads grouped, if asked): the
     custom operators, or the autograd function for patterns."""
     left, right = (None, None) if window is None else window
@@ -87,10 +93,11 @@ def grouped_attention(q, k, v, scale, causal, window, mask, bias, score_mod, mas
     if score_mod is not None or mask_mod is not None or block_mask is not None or sinks is not None:
         patterns = (score_mod, mask_mod, block_mask)
         out, lse = PatternAttention.apply(q, k, v, mask, bias, sinks, None, patterns,
-                                          (scale, bool(causal), left, right, precision), *learnable(score_mod))
+                                          (scale, bool(causal), left, right, precision) + dropping,
+                                          *learnable(score_mod))
     else:
         out, lse = torch.ops.cuflash.attention_forward(q, k, v, mask, bias, scale, bool(causal), left, right,
-                                                       precision)
+                                                       precision, *dropping)
     return out, lse
 
 
@@ -110,8 +117,7 @@ class PatternAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, sinks, packed, patterns, params, *tables):
-        scale, causal, left, right, precision = params
-        keywords = dict(options(mask, bias, scale, causal, left, right, precision), score_mod=patterns[0],
+        keywords = dict(options(mask, bias, *params), score_mod=patterns[0],
                         mask_mod=patterns[1], block_mask=patterns[2], sinks=to_array(sinks))
         with on_stream(q.device):
             arrays = (to_array(q), to_array(k), to_array(v))
@@ -164,28 +170,31 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      scale: Optional[float] = None, causal: bool = False,
                      window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                      score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
-                     sinks: Optional[torch.Tensor] = None, return_lse: bool = False, precision: Optional[str] = None):
+                     sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[int] = None,
+                     return_lse: bool = False, precision: Optional[str] = None):
     """cuflash.attention_varlen on torch tensors (FlashAttention's flash_attn_varlen_func layout): q (total_q, H,
     d), k (total_k, Hk, d), v (total_k, Hk, e); cu_seqlens_q and cu_seqlens_k integer tensors (or sequences) of
     sequences + 1 offsets. Differentiable in q, k, v and sinks (the backward is attention_varlen_backward, with
     the same precision); lse is not. score_mod and mask_mod see (s, h, i, j) and may be written with torch's
-    operations; a tensor a score_mod closes over gets no gradient here (refused if it requires one). Returns out
-    (total_q, H, e), or (out, lse) with return_lse=True, lse (total_q, H)."""
+    operations; a tensor a score_mod closes over gets no gradient here (refused if it requires one). dropout_p,
+    seed: as attention's (a seed drawn from torch's generator when None). Returns out (total_q, H, e), or (out,
+    lse) with return_lse=True, lse (total_q, H)."""
     left, right = (None, None) if window is None else window
     scale = None if scale is None else float(scale)
     precision = api.check_precision(precision, None, NAME)
     cu_q, cu_k = (offsets_tensor(x, q.device, name) for x, name in ((cu_seqlens_q, "cu_seqlens_q"),
                                                                       (cu_seqlens_k, "cu_seqlens_k")))
+    dropping = torch_dropout(dropout_p, seed)
     if score_mod is not None or mask_mod is not None or sinks is not None:
         if learnable(score_mod):
             raise ValueError(f"{NAME}_varlen: score_mod closes over tensors that require grad; their gradients are "
                              f"attention's only (cuflash.torch.attention): detach them here")
         packed = (cu_q, cu_k, max_seqlen_q, max_seqlen_k)
-        params = (scale, bool(causal), left, right, precision)
+        params = (scale, bool(causal), left, right, precision) + dropping
         out, lse = PatternAttention.apply(q, k, v, None, None, sinks, packed, (score_mod, mask_mod, None), params)
     else:
         out, lse = torch.ops.cuflash.attention_varlen_forward(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, scale,
-                                                              bool(causal), left, right, precision)
+                                                              bool(causal), left, right, precision, *dropping)
     return (out, lse) if return_lse else out
 
 
@@ -332,19 +341,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     A row that sees no key (a boolean mask hiding all of it, or a float mask of -inf) gives 0 and zero
     gradients, as SDPA's does. Errors are SDPA's RuntimeErrors (dtypes that differ, a mask of another dtype,
     shapes that do not broadcast, heads that do not divide); is_causal with attn_mask is one, as SDPA documents
-    and its math backend raises (its fused CPU kernel applies both instead). dropout_p other than 0 is a
-    NotImplementedError: attention dropout is not supported yet. Differences: a 0-d or 1-d attn_mask broadcasts
+    and its math backend raises (its fused CPU kernel applies both instead). dropout_p drops attention weights as
+    SDPA's does (whenever it is above 0, kept weights scaled by 1 / (1 - p)), by cuflash's counter-based rule
+    (cuflash.dropout_mask), its seed drawn from torch's generator: the kept elements differ from SDPA's own
+    generator's, their law does not. Differences: a 0-d or 1-d attn_mask broadcasts
     here (SDPA raises IndexError), as does a mask broadcast over value's leading dims (SDPA's adds the mask to
     query's and key's broadcast only); a non-finite scale is a ValueError, and so is enable_gqa with key and
     value heads of which neither divides the other (no view pairs them with the query heads)."""
     check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa)
-    if dropout_p != 0.0:  # attention dropout: the one place to wire it in
-        raise NotImplementedError(f"{SDPA}: attention dropout (dropout_p={dropout_p}) is not supported yet; pass "
-                                  f"dropout_p=0.0 (as models do in eval mode)")
     floating = attn_mask is not None and attn_mask.dtype != torch.bool
     window = (None, query.shape[-2] - key.shape[-2]) if is_causal else None  # top-left: j <= i
     return attention(query, key, value, scale=scale, window=window, mask=None if floating else attn_mask,
-                     bias=attn_mask if floating else None, enable_gqa=enable_gqa)
+                     bias=attn_mask if floating else None, enable_gqa=enable_gqa, dropout_p=dropout_p)
 
 
 def check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa) -> None:
@@ -508,15 +516,14 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
     repeated); attention_mask a ModMask (transformers_mask's: the mask function as a mask_mod), boolean (True =
     attend) or additive, or None with causal from is_causal or the module (and sliding_window as window=);
     position_bias added to the scores; softcap as score_mod (cap tanh(s / cap), before any mask); s_aux one sink
-    per head. Returns (batch, n, heads, e) and no weights."""
-    if dropout and module.training:
-        raise ValueError(f"{NAME}: attention dropout ({dropout}) is not supported; set the model's attention "
-                         f"dropout to 0 or call model.eval()")
+    per head; dropout (the module's attention dropout in training) as dropout_p, its seed from torch's generator.
+    Returns (batch, n, heads, e) and no weights."""
+    dropout_p = float(dropout or 0.0)  # transformers passes its module's rate in training, 0 in eval
     n, heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
     packing = packed_rows(query, key, attention_mask, position_bias, kwargs)
     if packing is not None:
         return packed_attention(module, query, key, value, attention_mask, packing, scaling, is_causal, softcap,
-                                s_aux, sliding_window), None
+                                s_aux, sliding_window, dropout_p), None
     modded = isinstance(attention_mask, ModMask)
     tensor_mask = None if modded else attention_mask
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -544,7 +551,8 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
     out = attention(grouped, key.unsqueeze(2), value.unsqueeze(2), scale=scaling, causal=causal, window=window,
                     mask=per_group(mask), bias=per_group(bias),
                     mask_mod=attention_mask.mask_mod(query.device) if modded else None,
-                    score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=sinks)
+                    score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=sinks,
+                    dropout_p=dropout_p)
     return out.reshape(out.shape[0], heads, n, out.shape[-1]).transpose(1, 2).contiguous(), None
 
 
@@ -576,7 +584,7 @@ def packed_rows(query, key, attention_mask, position_bias, kwargs):
 
 
 def packed_attention(module, query, key, value, attention_mask, packing, scaling, is_causal, softcap, s_aux,
-                     sliding_window):
+                     sliding_window, dropout_p=0.0):
     """transformers_attention on a packed batch: attention_varlen over the flattened tokens, each sequence within
     itself; transformers' mask function (a ModMask), if any, as the mask_mod of (sequence, head, i, j) with the
     sequence's row and start, else causal (and a sliding window) from the module. Returns (batch, n, heads, e)."""
@@ -592,7 +600,8 @@ def packed_attention(module, query, key, value, attention_mask, packing, scaling
     out = attention_varlen(flat(query), flat(key), flat(value), cu, cu, max_seqlen_q=longest,
                            max_seqlen_k=longest, scale=scaling, causal=causal, window=window,
                            mask_mod=attention_mask.packed_mask_mod(row, start) if modded else None,
-                           score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=s_aux)
+                           score_mod=None if softcap is None else mods.softcap(float(softcap)), sinks=s_aux,
+                           dropout_p=dropout_p)
     return out.reshape(batch, n, heads, out.shape[-1])
 
 
@@ -649,10 +658,19 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
     return next(t for t, n in DTYPES.items() if n == dtype)
 
 
-def options(mask, bias, scale, causal, left, right, precision) -> dict:
+def options(mask, bias, scale, causal, left, right, precision, dropout_p=0.0, seed=None) -> dict:
     window = None if left is None and right is None else (left, right)
     return {"mask": to_array(mask), "bias": to_array(bias), "scale": scale, "causal": causal, "window": window,
-            "precision": precision}
+            "precision": precision, "dropout_p": dropout_p, "seed": seed}
+
+
+def torch_dropout(dropout_p, seed) -> Tuple[float, Optional[int]]:
+    """(dropout_p, seed) checked as cuflash.attention checks them, the seed drawn from torch's default generator
+    where none is given (torch.manual_seed makes a training step reproducible); the backward gets the same."""
+    p, _ = dropout.check(dropout_p, 0 if seed is None else seed, NAME)
+    if p == 0.0 or seed is not None:
+        return p, seed
+    return p, int(torch.randint(0, 2**62, (), dtype=torch.int64))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -662,15 +680,16 @@ def options(mask, bias, scale, causal, left, right, precision) -> dict:
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                       bias: Optional[torch.Tensor], scale: Optional[float], causal: bool, left: Optional[int],
-                      right: Optional[int], precision: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                      right: Optional[int], precision: Optional[str] = None, dropout_p: float = 0.0,
+                      seed: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     with on_stream(q.device):
         out, lse = api.attention(to_array(q), to_array(k), to_array(v), return_lse=True,
-                                 **options(mask, bias, scale, causal, left, right, precision))
+                                 **options(mask, bias, scale, causal, left, right, precision, dropout_p, seed))
     return to_tensor(out, q.device), to_tensor(lse, q.device)
 
 
 @attention_forward.register_fake
-def _(q, k, v, mask, bias, scale, causal, left, right, precision=None):
+def _(q, k, v, mask, bias, scale, causal, left, right, precision=None, dropout_p=0.0, seed=None):
     dtype = common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME)
     shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2]] + [pair_batch(x) for x in (mask, bias) if x is not None]
     batch = tuple(torch.broadcast_shapes(*shapes))
@@ -688,16 +707,18 @@ def pair_batch(x: torch.Tensor) -> Tuple[int, ...]:
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, mask: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                        scale: Optional[float], causal: bool, left: Optional[int], right: Optional[int],
-                       bias_grad: bool, precision: Optional[str] = None) -> List[torch.Tensor]:
+                       bias_grad: bool, precision: Optional[str] = None, dropout_p: float = 0.0,
+                       seed: Optional[int] = None) -> List[torch.Tensor]:
     with on_stream(q.device):
         grads = api.attention_backward(to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out),
                                        to_array(lse), bias_grad=bias_grad,
-                                       **options(mask, bias, scale, causal, left, right, precision))
+                                       **options(mask, bias, scale, causal, left, right, precision, dropout_p, seed))
     return [to_tensor(g, q.device) for g in grads]
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, mask, bias, scale, causal, left, right, bias_grad, precision=None):
+def _(dout, q, k, v, out, lse, mask, bias, scale, causal, left, right, bias_grad, precision=None, dropout_p=0.0,
+      seed=None):
     dtype = torch_dtype(common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME))
     operands = (q, k, v) + ((bias,) if bias_grad else ())
     return [x.new_empty(x.shape, dtype=dtype) for x in operands]
@@ -707,18 +728,20 @@ def _(dout, q, k, v, out, lse, mask, bias, scale, causal, left, right, bias_grad
 def attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                              scale: Optional[float], causal: bool, left: Optional[int], right: Optional[int],
-                             precision: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                             precision: Optional[str] = None, dropout_p: float = 0.0,
+                             seed: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     with on_stream(q.device):
         out, lse = varlen.attention_varlen(to_array(q), to_array(k), to_array(v), to_array(cu_seqlens_q),
                                            to_array(cu_seqlens_k), max_seqlen_q=max_seqlen_q,
                                            max_seqlen_k=max_seqlen_k, return_lse=True,
                                            **packed_keywords(options(None, None, scale, causal, left, right,
-                                                                     precision)))
+                                                                     precision, dropout_p, seed)))
     return to_tensor(out, q.device), to_tensor(lse, q.device)
 
 
 @attention_varlen_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, precision=None):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, precision=None,
+      dropout_p=0.0, seed=None):
     dtype = common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME)
     lse_dtype = torch.float64 if dtype == np.float64 else torch.float32
     return (q.new_empty(tuple(q.shape[:2]) + (v.shape[-1],), dtype=torch_dtype(dtype)),
@@ -730,18 +753,19 @@ def attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int],
                               scale: Optional[float], causal: bool, left: Optional[int], right: Optional[int],
-                              precision: Optional[str] = None) -> List[torch.Tensor]:
+                              precision: Optional[str] = None, dropout_p: float = 0.0,
+                              seed: Optional[int] = None) -> List[torch.Tensor]:
     with on_stream(q.device):
         grads = varlen.attention_varlen_backward(
             to_array(dout), to_array(q), to_array(k), to_array(v), to_array(out), to_array(lse),
             to_array(cu_seqlens_q), to_array(cu_seqlens_k), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-            **packed_keywords(options(None, None, scale, causal, left, right, precision)))
+            **packed_keywords(options(None, None, scale, causal, left, right, precision, dropout_p, seed)))
     return [to_tensor(g, q.device) for g in grads]
 
 
 @attention_varlen_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right,
-      precision=None):
+      precision=None, dropout_p=0.0, seed=None):
     dtype = torch_dtype(common_dtype(*(numpy_dtype(x.dtype) for x in (q, k, v)), name=NAME))
     return [x.new_empty(x.shape, dtype=dtype) for x in (q, k, v)]
 
@@ -765,23 +789,23 @@ attention_varlen_forward.register_autograd(varlen_backward, setup_context=setup_
 
 
 def setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, scale, causal, left, right, precision = inputs
+    q, k, v, mask, bias, scale, causal, left, right, *rest = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, mask, bias, out, lse)
     ctx.params = (scale, causal, left, right)
-    ctx.precision = precision
+    ctx.rest = tuple(rest)  # precision, dropout_p and seed, as the forward had them
 
 
 def backward(ctx, dout, _dlse):
     q, k, v, mask, bias, out, lse = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[4]
     grads = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, mask, bias, *ctx.params, bias_grad,
-                                                 ctx.precision)
+                                                 *ctx.rest)
     # Autograd wants each gradient in its input's dtype; cuflash gives the forward's result dtype.
     dq, dk, dv = (g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     dbias = grads[3].to(bias.dtype) if bias_grad else None
-    return dq, dk, dv, None, dbias, None, None, None, None, None
+    return (dq, dk, dv, None, dbias) + (None,) * (4 + len(ctx.rest))
 
 
 attention_forward.register_autograd(backward, setup_context=setup_context)

@@ -32,6 +32,9 @@ def test_readme_examples_run_and_are_right(monkeypatch):
     assert calls, "no README example calls cuflash.attention"
     for q, k, v, kw, result in calls:
         out, lse = result if kw.get("return_lse") else (result, None)
+        if kw.get("dropout_p"):
+            check_dropout_call(q, k, v, kw, out, lse)
+            continue
         if any(kw.get(key) is not None for key in PATTERNS):
             check_pattern_call(q, k, v, kw, out, lse)
             continue
@@ -52,6 +55,20 @@ def check_pattern_call(q, k, v, kw, out, lse):
     assert_close(out, expected, np.float32)
     if lse is not None:
         assert_close(lse, expected_lse, np.float32)
+
+
+def check_dropout_call(q, k, v, kw, out, lse):
+    """A call with dropout: the reference's weights (its attention over an identity of values) times the elements
+    dropout_mask keeps, over 1 - p, times v; lse untouched by dropout."""
+    from cuflash.reference import attention_reference
+    options = {key: kw[key] for key in OPTIONS if key in kw}
+    m = k.shape[-2]
+    weights, expected_lse = attention_reference(q, k, np.eye(m), **options)
+    p = kw["dropout_p"]
+    keep = cuflash.dropout_mask(weights.shape[:-2], q.shape[-2], m, p=p, seed=kw["seed"])
+    np.testing.assert_allclose(out, (weights * keep / (1 - p)) @ v.astype(np.float64), rtol=1e-5, atol=1e-6)
+    if lse is not None:
+        np.testing.assert_allclose(lse, expected_lse, rtol=1e-6)
 
 
 def test_architecture_section_names_files_that_exist():

@@ -289,12 +289,16 @@ def test_heads_without_enable_gqa_say_how():
         ERRORS["heads without enable_gqa"](ct.scaled_dot_product_attention)
 
 
-def test_dropout_is_refused_until_supported():
+def test_dropout_p_as_sdpa_takes_it():
+    """dropout_p = 0 is the plain call; above 0 it drops (tests/test_dropout_calls.py holds its law), and a p
+    outside [0, 1) is an error."""
     q = r(1, 2, 5, 4)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        ct.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     torch.testing.assert_close(ct.scaled_dot_product_attention(q, q, q, dropout_p=0.0),
                                F.scaled_dot_product_attention(q, q, q))
+    assert not torch.equal(ct.scaled_dot_product_attention(q, q, q, dropout_p=0.5),
+                           F.scaled_dot_product_attention(q, q, q))
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        ct.scaled_dot_product_attention(q, q, q, dropout_p=1.0)
 
 
 def test_scale_and_enable_gqa_are_keywords_only_as_in_sdpa():
