@@ -55,10 +55,7 @@ template <typename P> __device__ __forceinline__ bool in_batch(const P& p) {
     return batch_item() < p.geometry->batch_count;
 }
 
-// Rows of one operand of the block's batch item, as a tile copy reads them: row 0's first element, the strides,
-// the operand's width (d or e: columns past it are zero in the tile) and whether 16-byte copies serve it (the
-// launch's vector flag: unit column stride and aligned rows).
-// In paged kernels a source also says where its pages are (PageWalk: none where its table is null); in the
+// In paged kernels a tile's source also says where its pages are (PageWalk: none where its table is null); in the
 // others it has nothing more (Unpaged), and its copies compile as they always have.
 using PagesOf = typename Select<kPaged, PageWalk, Unpaged>::type;
 __device__ __forceinline__ bool walks(const PageWalk& pages) { return pages.table != nullptr; }
@@ -68,6 +65,9 @@ __device__ __forceinline__ PageWalk starting(const PageWalk& pages, long long r0
 }
 __device__ __forceinline__ Unpaged starting(Unpaged, long long) { return {}; }
 
+// Rows of one operand of the block's batch item, as a tile copy reads them: row 0's first element, the strides,
+// the operand's width (d or e: columns past it are zero in the tile), whether 16-byte copies serve it (the
+// launch's vector flag: unit column stride and aligned rows) and, paged, its pages.
 template <typename T> struct TileSource {
     const T* at;
     long long row, col;
