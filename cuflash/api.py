@@ -39,8 +39,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
               window: Optional[WindowSides] = None, mask: Optional[ArrayLike] = None, bias: Optional[ArrayLike] = None,
               score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
               block_mask: Optional[BlockMask] = None, sinks: Optional[ArrayLike] = None,
-              dropout_p: float = 0.0, seed: Optional[int] = None, out: Optional[Array] = None, return_lse: Literal[False] = False,
-              backend: Optional[str] = None, block: Block = None, precision: Optional[str] = None) -> Array: ...
+              dropout_p: float = 0.0, seed: Optional[int] = None, out: Optional[Array] = None,
+              return_lse: Literal[False] = False, backend: Optional[str] = None, block: Block = None,
+              precision: Optional[str] = None) -> Array: ...
 
 
 @overload
