@@ -23,6 +23,7 @@ from cuflash.backends import numpy as numpy_backend
 from cuflash.backends import simt as simt_backend
 from cuflash.dropout import Dropout, dropout_mask, philox, row_major
 from cuflash.family import Shape
+from cuflash.kernels import forward_mma
 from cuflash.reference import visible_pairs
 from harness import run_under_memcheck
 from strategies import randn
@@ -324,6 +325,17 @@ def test_split_keys_and_other_tiles_drop_the_same_elements():
     q, k, v = revealing(rng, (2,), 2, 300, np.float32)
     out = cuflash.attention(q, k, v, backend="simt", precision="fma", dropout_p=0.6, seed=5)
     np.testing.assert_array_equal(out != 0, dropout_mask((2,), 2, 300, p=0.6, seed=5))
+    # The tensor-core forward's other tiles in two parts (64 keys, e = 256: each part's keep bits from its first
+    # column), with V = I on the 178 keys (and zeros past them) and a mask.
+    q, k = randn(rng, (40, 64), np.float16, scale=0.3), randn(rng, (178, 64), np.float16, scale=0.3)
+    v = np.zeros((178, 256), np.float16)
+    v[:, :178] = np.eye(178, dtype=np.float16)
+    mask = rng.random((40, 178)) < 0.8
+    block = BlockConfig.mma(16, 64, 1)
+    shape = dataclasses.replace(api.make_problem(np, q, k, v, None, False, None, mask, None)[0].shape, dropout=True)
+    assert forward_mma.key_parts(shape, block) == 2
+    out = cuflash.attention(q, k, v, mask=mask, backend="simt", block=block, dropout_p=0.5, seed=6)
+    np.testing.assert_array_equal(out[:, :178] != 0, dropout_mask((), 40, 178, p=0.5, seed=6) & mask)
 
 
 @SIMT
