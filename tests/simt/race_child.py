@@ -208,6 +208,12 @@ def case_clean_dropout():
     start off a Philox group, in two schedules."""
     import cuflash
     from cuflash import BlockConfig
+    from test_dropout import kernels_only
+    with kernels_only():
+        clean_dropout_runs(cuflash, BlockConfig)
+
+
+def clean_dropout_runs(cuflash, BlockConfig):
     rng = np.random.default_rng(3)
     for dtype, forward_block, backward_block, precision in (
             (np.float32, BlockConfig(16, 16, 2), BlockConfig(16, 16, 2, stages=2), "fma"),
