@@ -452,6 +452,19 @@ def steps(plan) -> List[Step]:
     return loads + [Step(name, "fmas", own * (cols // LANES_PER_ROW) * width) for name, cols, width in products]
 
 
+def keep_bit_loop(code: Sequence[Instr], loop: Loop, once: Tally, plan) -> Optional[Tuple[int, str]]:
+    """(trip count, how) of a dropout kernel's keep-bit loop (kernels/tile.cuh KeepTile::fill: the block's Philox
+    calls, two groups of four keys and one byte stored per pair; the loop of a tile whose keys start on a group),
+    or None for any other inner loop. Per thread: Br x Bc / 8 bytes over the block's threads."""
+    if not plan.shape.dropout or loop.children:
+        return None
+    bytes_each = sum(n for (cls, op), n in once.items() if op.startswith("STS.U8"))
+    if not bytes_each:
+        return None
+    work = -(-plan.config.Br * (plan.config.Bc // 8) // (32 * plan.config.warps))
+    return max(1, -(-work // bytes_each)), f"{work} keep-bit bytes per thread / {bytes_each} per iteration"
+
+
 def per_iteration(step: Step, counts: Tally) -> Tuple[int, int]:
     """(the step's work per thread, the work one compiled iteration with these counts does), in one unit."""
     def count(test):
@@ -514,18 +527,28 @@ def analyze(sass: str, plan) -> LoopReport:
         wanted = looped = []
     step_of = {lp.head: s for g, s in zip(groups, looped) for lp in g}
     cost, trips, inner = {}, {}, []
+    keep_bits, keep_heads = Counter(), set()  # a dropout kernel's keep bits of a tile: every tile makes them once
     for child in loop.children:
         once = iteration(code, child)
         step = step_of.get(child.head)
         trip, how = 1, "trip count unknown: weighted 1"
+        keeps = keep_bit_loop(code, child, once, plan)
         if step is not None:
             work, each = per_iteration(step, once)
             if each:
                 trip, how = max(1, -(-work // each)), f"{work} {step.unit} per thread / {each} per iteration"
+        elif keeps is not None:
+            trip, how = keeps
+            keep_bits += scaled(once, trip)
+            keep_heads.add(child.head)
         cost[child.head], trips[child.head] = scaled(once, trip), trip
         inner.append({"address": f"{code[child.head].addr:#x}-{code[child.end].addr:#x}", "kind": kind_of(code, child),
-                      "step": step.name if step else None, "required": child in candidates,
-                      "iteration": sum(once.values()), "trips": trip, "trip_count": how})
+                      "step": "keep bits" if keeps is not None and step is None else step.name if step else None,
+                      "required": child in candidates, "iteration": sum(once.values()), "trips": trip,
+                      "trip_count": how})
+    # The keep bits count once on the path, whether it passes their loop or the branch around it (the last tile
+    # makes none: the path is a tile of the steady state).
+    cost.update({head: Counter() for head in keep_heads})
     path = cheapest_path(code, loop, cost, groups)
     chunks = sum(s.work for s in wanted if s.unit == "chunks")
     products = [g for g, s in zip(groups, looped) if s.kind != "load"]  # the product loops an unrolled tile passes
@@ -537,6 +560,7 @@ def analyze(sass: str, plan) -> LoopReport:
     if path is None:
         notes.append("no path passes every required inner loop: the cheapest path without them")
         path = cheapest_path(code, loop, cost, [])
+    path = path + keep_bits
     return LoopReport(path, span_tally(code, loop, trips), code[loop.head].addr, code[loop.end].addr, inner, notes,
                       loads)
 
@@ -707,10 +731,12 @@ def kernel_mods_of(name: Optional[str]):
 
 
 def plans(gpu: str, dtype: str, d: int, n: int, m: int, batch: int, block, kernels_wanted: str,
-          precision: str = "highest", mods: Optional[str] = None, paged: bool = False):
+          precision: str = "highest", mods: Optional[str] = None, paged: bool = False, dropout: bool = False):
     """[(kind, plan, or the sentence saying why there is none)] of what the planner picks for the problem (with
-    the named mods compiled in: MODS; paged: the forward kernels that walk a paged cache's pages)."""
-    device, shape = DeviceLimits.known(gpu), Shape(DTYPES[dtype], d, d, n, m, batch, precision, paged=paged)
+    the named mods compiled in: MODS; paged: the forward kernels that walk a paged cache's pages; dropout: the
+    kernels that drop probabilities)."""
+    device = DeviceLimits.known(gpu)
+    shape = Shape(DTYPES[dtype], d, d, n, m, batch, precision, paged=paged, dropout=dropout)
     code = kernel_mods_of(mods)
     result = []
     if paged:
@@ -773,6 +799,7 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
         "d": plan.shape.d, "e": plan.shape.e, "n": plan.shape.n, "m": plan.shape.m, "causal": causal,
         "kind": plan.family.kind, "kernel": plan.name, "config": str(plan.config), "warps": plan.config.warps,
         "mods": None if plan.mods is None else plan.mods.key, "paged": plan.shape.paged,
+        "dropout": plan.shape.dropout,
         "usage": compiled["usage"], "loop": {"first": f"{loop.first:#x}", "last": f"{loop.last:#x}"},
         "per_tile": {"instructions": total, **path}, "span": {"instructions": sum(span.values()), **span},
         "opcodes": {op: n for (_, op), n in sorted(loop.path.items())},
@@ -794,14 +821,15 @@ def report_row(gpu: str, plan, compiled: dict, causal: bool) -> dict:
 
 
 def run(gpus, dtypes, head_dims, n, m, causal=False, block=None, kernels_wanted="all", batch=1, workers=2,
-        precisions=("highest",), mods=None, paged=False):
+        precisions=("highest",), mods=None, paged=False, dropout=False):
     """(rows, {(gpu, name expression): SASS}) for every kernel the planner picks, one NVRTC program per source
     string and architecture, compiled in parallel. precisions: those of float32 to plan for (the other dtypes take
     the first). mods: the built-in mods (MODS) the kernels are compiled with, or None. paged: the paged cache's
-    forward kernels."""
+    forward kernels. dropout: the kernels compiled for attention dropout."""
     picked = [(gpu, dtype, d, kind, plan) for gpu in gpus for dtype in dtypes for d in head_dims
               for precision in (precisions if dtype == "float32" else precisions[:1])
-              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted, precision, mods, paged)]
+              for kind, plan in plans(gpu, dtype, d, n, m, batch, block, kernels_wanted, precision, mods, paged,
+                                      dropout)]
     jobs = {}
     for gpu, _, _, _, plan in picked:
         if not isinstance(plan, str):
@@ -890,6 +918,10 @@ METHOD = {
              "FLOPs), fma (FP32/FP64 lanes), shared (128 bytes per clock, broadcasts not credited), mufu (16 lanes "
              "per clock); latency, stalls, occupancy, caches and DRAM are not modelled",
     "flops": "per tile: forward 4 Br Bc d; dq 6 Br Bc d (S, dP, dQ); dkdv 8 Br Bc d (S, dP, dV, dK)",
+    "keep_bits": "kernels compiled for dropout: the loop that makes a tile's keep bits (kernels/tile.cuh "
+                 "KeepTile::fill, one byte of two Philox calls per iteration) weighted by its trip count, Br Bc / 8 "
+                 "bytes over the block's threads, and counted once per tile on the path (the steady state makes the "
+                 "next tile's every tile); the loop of a group past a tile's keys (keys off a group) is cold",
 }
 
 
@@ -928,6 +960,8 @@ def main(argv=None) -> int:
                                                              "loop then has no plain tiles (every tile is partial)")
     parser.add_argument("--paged", action="store_true", help="the forward kernels that read a paged KV cache "
                                                                 "(attention_paged), walking each row's page")
+    parser.add_argument("--dropout", action="store_true", help="the kernels compiled for attention dropout "
+                                                                  "(dropout_p > 0), which regenerate the keep bits")
     args = parser.parse_args(argv)
     if cuobjdump() is None or not nvrtc_available():
         print("sass_report: needs NVRTC, cuobjdump and nvdisasm: pip install nvidia-cuda-nvrtc-cu12 "
@@ -939,10 +973,12 @@ def main(argv=None) -> int:
         gpus, dtypes = args.gpu or ["H100", "A100"], args.dtype or ["float16", "bfloat16", "float32"]
         dims, wanted = args.d or [64, 128], args.kernels
     rows, sass = run(gpus, dtypes, dims, args.n, args.m, args.causal, args.block, wanted, args.batch,
-                     precisions=tuple(args.precision or ["highest"]), mods=args.mods, paged=args.paged)
+                     precisions=tuple(args.precision or ["highest"]), mods=args.mods, paged=args.paged,
+                     dropout=args.dropout)
     print(HEADER)
     print(f"n = {args.n}, m = {args.m}, batch x heads = {args.batch}{', causal' if args.causal else ''}"
-          f"{', paged keys and values (kernels that walk the pages)' if args.paged else ''}\n")
+          f"{', paged keys and values (kernels that walk the pages)' if args.paged else ''}"
+          f"{', attention dropout (kernels that regenerate the keep bits)' if args.dropout else ''}\n")
     print(table(rows))
     for r in rows:
         for note in r.get("notes", []):

@@ -31,10 +31,11 @@ _LOW = 0xFFFFFFFF
 
 def philox(counter: Tuple[Any, Any, Any, Any], key: Tuple[Any, Any], xp=np):
     """Philox-4x32-10 of a counter (four uint32 arrays, or ints) under a key (two uint32 arrays or ints): four
-    uint32 arrays, element-wise (arrays broadcast)."""
+    uint32 arrays, element-wise (arrays broadcast). Wider words are taken mod 2^32, as the kernels' 32-bit words
+    are (a key's group (j + key0) >> 2 past 2^32)."""
     low = np.uint64(_LOW)
-    c = [xp.asarray(x, dtype=np.uint64) for x in counter]
-    k0, k1 = (xp.asarray(x, dtype=np.uint64) for x in key)
+    c = [xp.asarray(x, dtype=np.uint64) & low for x in counter]
+    k0, k1 = (xp.asarray(x, dtype=np.uint64) & low for x in key)
     for r in range(ROUNDS):
         if r:
             k0, k1 = (k0 + np.uint64(W0)) & low, (k1 + np.uint64(W1)) & low

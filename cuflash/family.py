@@ -30,6 +30,19 @@ def align16(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
 
 
+DROPOUT_ROW_BYTES = 48  # the block's DropoutRow (kernels/tile.cuh), aligned
+
+
+def dropout_bytes(shape: "Shape", config: "BlockConfig", buffers: int) -> int:
+    """Shared memory a kernel compiled for dropout adds at the end of its layout (kernels/block.cuh BlockDropout):
+    the block's DropoutRow, then `buffers` keep tiles of Br query rows by Bc keys (KeepTile: a shift word, 16 bytes,
+    then each row's bits in (Bc + 2) // 32 + 2 words). 0 for a shape without dropout."""
+    if not shape.dropout:
+        return 0
+    words = (config.Bc + 2) // 32 + 2
+    return DROPOUT_ROW_BYTES + buffers * align16(16 + config.Br * 4 * words)
+
+
 def check_precision(precision, dtype, name: str) -> str:
     """precision= checked and normalized for dtype (the one rule, wherever it is given): None is "highest", and
     "tf32", a float32 choice, is "highest" for the other dtypes (dtype None: not known yet, "tf32" stays).

@@ -228,6 +228,9 @@ def _batch_launches(problem, operands, e, plan: Plan, split_strides, patterns=No
     if len(shape) <= MAX_BATCH_DIMS:
         return [_launch(problem, operands, shape, batch_strides, e, plan, split_strides, patterns)]
     assert patterns is None, "kernel_patterns keeps the kernels' mods to a batch one launch covers"
+    # Dropout counts the batch item over the whole launch's batch (Params::dropout): kernel_patterns sends problems of
+    # more than MAX_BATCH_DIMS batch axes, the only ones launched per leading index, to the blocked algorithm.
+    assert problem.dropout is None, "kernel_patterns keeps dropout to a batch one launch covers"
     # Too many batch dims: launch per index of the leading ones, on views.
     lead = len(problem.batch) - MAX_BATCH_DIMS
     result = []
@@ -315,7 +318,7 @@ def kernel_params(problem, operands, table, e, flags, patterns=None) -> np.ndarr
 
 def write_dropout(record, dropout, batch) -> None:
     """Params::dropout (kernels/tile.cuh Dropping) of a problem of this batch shape (kernels take dropout only
-    where it has at most MAX_BATCH_DIMS axes: dropout_in_kernels)."""
+    where it has at most MAX_BATCH_DIMS axes: kernel_patterns)."""
     record["seed"], record["base"], record["row0"], record["key0"] = dropout.seed, dropout.base, dropout.row0, \
         dropout.key0
     record["shape"][0, :len(batch)] = batch
@@ -409,8 +412,9 @@ def kernel_patterns(problem, forward: bool) -> Tuple[Optional[KernelPatterns], O
     or None). forward: whether the sinks enter (the backward reads them through the lse)."""
     score, mask, blocks = problem.score_mod, problem.mask_mod, problem.block_mask
     sinks = problem.sinks if forward else None
-    if problem.dropout is not None:
-        return None, "attention dropout is the blocked algorithm's"
+    if problem.dropout is not None and len(problem.batch) > MAX_BATCH_DIMS:
+        return None, (f"attention dropout over {len(problem.batch)} batch axes is the blocked algorithm's (the kernels "
+                      f"count a batch item's place over at most {MAX_BATCH_DIMS})")
     if score is None and mask is None and sinks is None and blocks is None:
         return None, None
     if problem.score_mod_grads and not forward:

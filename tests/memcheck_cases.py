@@ -193,6 +193,48 @@ def case_sequences():
     print("memcheck ok", flush=True)
 
 
+def dropout_runs(rng, options, dtype, forward_block, backward_block, precision, shapes):
+    """Attention dropout forward and backward on the emulated kernels (these blocks), held to the numpy backend."""
+    q, k, v = (randn(rng, shape, dtype) for shape in shapes)
+    options = dict(options, dropout_p=0.3, seed=2**40 + 9)
+    out, lse = cuflash.attention(q, k, v, backend="simt", block=forward_block, precision=precision,
+                                 return_lse=True, **options)
+    want, want_lse = cuflash.attention(q, k, v, backend="numpy", precision=precision, return_lse=True, **options)
+    np.testing.assert_allclose(out.astype(np.float64), want.astype(np.float64), rtol=1e-2, atol=2e-2)
+    dout = randn(rng, out.shape, dtype)
+    grads = cuflash.attention_backward(dout, q, k, v, want, want_lse, backend="simt", block=backward_block,
+                                       precision=precision, **options)
+    expected = cuflash.attention_backward(dout, q, k, v, want, want_lse, backend="numpy", precision=precision,
+                                          **options)
+    for got, ref in zip(grads, expected):
+        np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), rtol=5e-2, atol=5e-2)
+
+
+def case_dropout():
+    """Attention dropout's kernels, forward and backward: CUDA cores (one stage and two), tensor cores (the smallest
+    tiles and two warps'), tails of both tiles, a window whose key tiles start off a Philox group, split keys
+    (decoding shapes) and the planner's tiles (the forward's steady loop). The blocked fallback is refused."""
+    from test_dropout import kernels_only
+    with kernels_only():
+        dropout_cases()
+    print("memcheck ok", flush=True)
+
+
+def dropout_cases():
+    rng = np.random.default_rng(21)
+    shapes = ((2, 37, 24), (2, 45, 24), (2, 45, 20))
+    for dtype, forward_block, backward_block, precision in [
+            (np.float32, BlockConfig(16, 16, 2), BlockConfig(16, 16, 2), "fma"),
+            (np.float64, BlockConfig(16, 32, 2, stages=2), BlockConfig(16, 16, 2, stages=2), "fma"),
+            (np.float16, BlockConfig.mma(16, 16, 1), BlockConfig.mma(16, 16, 1, stages=1), None),
+            (np.float16, BlockConfig.mma(32, 32, 2), BlockConfig.mma(32, 32, 2, stages=2), None)]:
+        for options in ({"causal": True}, {"window": (9, 4)}):
+            dropout_runs(rng, options, dtype, forward_block, backward_block, precision, shapes)
+    dropout_runs(rng, {}, np.float16, None, None, None, ((2, 3, 32), (2, 1100, 32), (2, 1100, 32)))
+    dropout_runs(rng, {}, np.float32, None, None, "fma", ((2, 3, 32), (2, 1100, 32), (2, 1100, 32)))
+    dropout_runs(rng, {"causal": True}, np.float16, None, None, None, ((1, 150, 64), (1, 200, 64), (1, 200, 64)))
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -79,6 +79,12 @@ BWD_SIMT_FILE = "tests/test_backward_simt.py"
 BWD_SIMT = f"{BWD_SIMT_FILE}::test_matches_reference"
 VARLEN = "tests/test_varlen.py"
 PAGED = "tests/test_paged.py"
+DROPOUT = "tests/test_dropout.py"
+DROPOUT_DENSE = f"{DROPOUT}::test_the_kernels_drop_what_the_numpy_backend_and_the_dense_formula_drop"
+DROPOUT_REVEAL = f"{DROPOUT}::test_each_output_and_value_gradient_reveals_exactly_the_kept_elements"
+DROPOUT_STEADY = f"{DROPOUT}::test_the_planners_tiles_drop_in_the_steady_loop"
+DROPOUT_CHUNK = f"{DROPOUT}::test_the_kernels_count_batch_rows_and_keys_from_a_chunks_offsets"
+DROPOUT_TILE = f"{DROPOUT}::test_a_keep_tile_holds_every_rows_bits_for_any_reader"
 
 MUTANTS = (
     # ---- the front door and the Problem
@@ -564,6 +570,84 @@ MUTANTS = (
       [("bad = used & ((table < 0) | (table >= num_pages))", "bad = used & ((table < 0) | (table > num_pages))")],
       [f"{PAGED}::test_bad_arguments_are_clear_errors"],
       "a page id one past the caches' last page is taken (and read past the cache)"),
+    # ---- attention dropout
+    m("dropout-philox-words-rotated",
+      [("return (w.x[0] >= threshold) | (w.x[1] >= threshold) << 1 | (w.x[2] >= threshold) << 2 |\n"
+        "(w.x[3] >= threshold) << 3;",
+        "return (w.x[1] >= threshold) | (w.x[2] >= threshold) << 1 | (w.x[3] >= threshold) << 2 |\n"
+        "(w.x[0] >= threshold) << 3;", "__device__ __forceinline__ unsigned group_keeps(")],
+      [f"{DROPOUT}::test_a_row_keeps_what_cuflash_dropout_keeps", DROPOUT_REVEAL],
+      "key j takes word (j + key0) + 1 & 3 of its Philox call, not word (j + key0) & 3"),
+    m("dropout-keep-bits-unshifted",
+      [("const int k = c + *reinterpret_cast<const int*>(at);", "const int k = c;")],
+      [DROPOUT_TILE, DROPOUT_REVEAL],
+      "a keep tile is read as if its keys started on a Philox group (a window's key tiles do not)"),
+    m("dropout-keep-tile-without-its-last-group",
+      [("for (int x = 2 * kPairs; x < groups; x += 2)", "for (int x = 2 * kPairs; x < Cols / 4; x += 2)")],
+      [DROPOUT_TILE, DROPOUT_REVEAL],
+      "a tile whose keys start off a Philox group never makes the group its last keys fall in"),
+    m("dropout-batch-item-unstrided",
+      [("b += (unsigned long long)(item % d.shape[axis] * d.strides[axis]);",
+        "b += (unsigned long long)(item % d.shape[axis]);")],
+      [DROPOUT_CHUNK, DROPOUT_DENSE],
+      "the kernels count a batch item's index without the batch axes' strides"),
+    m("dropout-rows-from-zero",
+      [("row = (unsigned)(i0 + d.row0);", "row = (unsigned)i0;")],
+      [DROPOUT_CHUNK],
+      "the kernels count query rows from the chunk's first, not the call's (row0 left out)"),
+    m("dropout-fma-sum-of-kept",
+      [("for (int c = 0; c < CPT; ++c) S.x[a][c] = keep[TC * c] ? S.x[a][c] : Acc(0);",
+        "for (int c = 0; c < CPT; ++c) { if (!keep[TC * c]) softmax.l[a] -= S.x[a][c]; "
+        "S.x[a][c] = keep[TC * c] ? S.x[a][c] : Acc(0); }")],
+      [DROPOUT_DENSE],
+      "the CUDA-core forward's running sum l_i takes only the kept probabilities"),
+    m("dropout-mma-sum-of-kept",
+      [("void drop_probabilities(ScoreTile<NP>& S, int buffer, int c0) const {",
+        "void drop_probabilities(ScoreTile<NP>& S, int buffer, int c0) {"),
+       ("S.x[mt][nt][2 * h + x] = keep[8 * nt + x] ? S.x[mt][nt][2 * h + x] : Acc(0);",
+        "{ if (!keep[8 * nt + x]) softmax.l[2 * mt + h] -= S.x[mt][nt][2 * h + x]; "
+        "S.x[mt][nt][2 * h + x] = keep[8 * nt + x] ? S.x[mt][nt][2 * h + x] : Acc(0); }")],
+      [DROPOUT_STEADY, DROPOUT_DENSE],
+      "the tensor-core forward's running sum l_i takes only the kept probabilities"),
+    m("dropout-forward-unscaled",
+      [("for (int c = 0; c < EPT; ++c) O_i.x[a][c] *= Acc(p.dropout.scale);",
+        "for (int c = 0; c < EPT; ++c) O_i.x[a][c] *= Acc(1);")],
+      [DROPOUT_DENSE],
+      "the CUDA-core forward leaves out the kept probabilities' 1 / (1 - p)"),
+    m("dropout-mma-next-tile-into-the-read-buffer",
+      [("dropout().template fill<Threads>((t + 1) & 1, ops.queries.begin, key_start(t + 1));",
+        "dropout().template fill<Threads>(t & 1, ops.queries.begin, key_start(t + 1));")],
+      [DROPOUT_STEADY, DROPOUT_REVEAL],
+      "the tensor-core forward makes the next tile's keep bits over the ones its warps are reading"),
+    m("dropout-mma-parts-from-the-tile-start",
+      [("c0 + 2 * (lane % 4));", "2 * (lane % 4));")],
+      [f"{DROPOUT}::test_split_keys_and_other_tiles_drop_the_same_elements"],
+      "the tensor-core forward's second part of a tile takes the keep bits of the first"),
+    m("dropout-fma-dv-undropped",
+      [("if constexpr (kDropout) p_ij *= z;", "")],
+      [DROPOUT_REVEAL, DROPOUT_DENSE],
+      "the CUDA-core dK dV kernel's dV takes every probability, dropped or not"),
+    m("dropout-mma-dv-undropped",
+      [("plain_gradients(P, dS, s.terms + stage * Br);\nif constexpr (kDropout) drop_p(P);",
+        "plain_gradients(P, dS, s.terms + stage * Br);")],
+      [DROPOUT_STEADY],
+      "the tensor-core dK dV kernel's steady tiles give dV every probability, dropped or not"),
+    m("dropout-fma-ds-without-z",
+      [("if constexpr (kDropout) dp *= keep[TC * c] ? Acc(p.dropout.scale) : Acc(0);", "")],
+      [DROPOUT_DENSE],
+      "the CUDA-core dQ kernel's dS = P (dP - D), not P (dP Z - D)"),
+    m("dropout-mma-ds-without-z",
+      [("products(P, dS, K_j, V_j);\nif constexpr (kDropout) drop_dp(dS);\nplain_gradients(P, dS);",
+        "products(P, dS, K_j, V_j);\nplain_gradients(P, dS);")],
+      [DROPOUT_STEADY],
+      "the tensor-core dQ kernel's steady tiles take dS = P (dP - D), not P (dP Z - D)"),
+    m("dropout-numpy-sum-of-kept",
+      [("l_new = alpha * l_i + p_ij.sum(axis=-1)\n    if problem.dropout is not None:\n"
+        "        p_ij *= dropout_factor(problem, index, *tile)",
+        "if problem.dropout is not None:\n        p_ij *= dropout_factor(problem, index, *tile)\n"
+        "    l_new = alpha * l_i + p_ij.sum(axis=-1)")],
+      [DROPOUT_DENSE],
+      "the blocked forward's running sum takes the dropped, scaled probabilities"),
     m("shfl-xor-twin",
       [("default: j = lane ^ (b & 31); ok = j <= max_lane; break;",
         "default: j = lane ^ (b & 15); ok = j <= max_lane; break;")],

@@ -905,6 +905,25 @@ def test_paged_cache_on_cupy_arrays(cupy):
     assert device[1].get().tobytes() == k_cache.tobytes()  # nothing written
 
 
+def test_dropout_on_cupy_arrays(cupy):
+    """attention and attention_backward with dropout on CuPy arrays: the planner's dropout kernels (not the blocked
+    algorithm) give the simt backend's bits, forward and backward."""
+    rng = np.random.default_rng(31)
+    q, k, v = (rng.standard_normal((2, length, 32)).astype(np.float16) for length in (40, 70, 70))
+    options = dict(causal=True, dropout_p=0.2, seed=2**50 + 99)
+    out, lse = cuflash.attention(q, k, v, backend="simt", return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", **options)
+    device = [cupy.asarray(x) for x in (q, k, v, dout)]
+    before = len(_State.launches)
+    got, got_lse = cuflash.attention(*device[:3], return_lse=True, **options)
+    got_grads = cuflash.attention_backward(device[3], *device[:3], got, got_lse, **options)
+    assert {name.split("<")[0] for name, *_ in _State.launches[before:]} == \
+        {"cuflash::fwd_mma", "cuflash::bwd_mma_dq", "cuflash::bwd_mma_dkdv"}
+    assert got.get().tobytes() == out.tobytes() and got_lse.get().tobytes() == lse.tobytes()
+    assert all(g.get().tobytes() == w.tobytes() for g, w in zip(got_grads, grads))
+
+
 def test_the_sequences_benchmark_on_the_gpu_path(cupy, tmp_path):
     """bench.sequences --gpu --tiny through the stand-in: CuPy arrays, event timing, the HBM share from the device's
     memory clock and bus width (the timings mean nothing here)."""

@@ -165,6 +165,31 @@ def test_patterns_on_cupy_arrays():
     np.testing.assert_allclose(dslopes.get(), want, rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_dropout_on_cupy_arrays(dtype):
+    """Attention dropout in the cupy backend's kernels (the planner's tiles; split keys for a decoding shape),
+    forward and backward, against the numpy backend, which keeps the same elements (cuflash.dropout_mask)."""
+    import cupy
+    rng = np.random.default_rng(43)
+    tolerance = {np.float16: 3e-2, np.float32: 1e-4, np.float64: 1e-10}[dtype]
+    for shape_q, shape_k, causal in (((2, 4, 300, 64), (2, 4, 420, 64), True), ((1, 2, 2, 128), (1, 2, 5000, 128),
+                                                                                  False)):
+        q, k, v = rng.standard_normal(shape_q).astype(dtype), *(rng.standard_normal(shape_k).astype(dtype)
+                                                                for _ in range(2))
+        options = dict(causal=causal, dropout_p=0.3, seed=2**33 + 7)
+        out, lse = cuflash.attention(*(cupy.asarray(x) for x in (q, k, v)), return_lse=True, **options)
+        want, want_lse = cuflash.attention(q, k, v, backend="numpy", return_lse=True, **options)
+        np.testing.assert_allclose(out.get().astype(np.float64), want.astype(np.float64), atol=tolerance,
+                                   rtol=tolerance)
+        np.testing.assert_allclose(lse.get(), want_lse, atol=tolerance, rtol=tolerance)
+        dout = rng.standard_normal(want.shape).astype(dtype)
+        grads = cuflash.attention_backward(*(cupy.asarray(x) for x in (dout, q, k, v, want, want_lse)), **options)
+        expected = cuflash.attention_backward(dout, q, k, v, want, want_lse, backend="numpy", **options)
+        for got, ref in zip(grads, expected):
+            np.testing.assert_allclose(got.get().astype(np.float64), ref.astype(np.float64), atol=5 * tolerance,
+                                       rtol=5 * tolerance)
+
+
 def test_packed_sequences_and_paged_caches_on_cupy_arrays():
     """attention_varlen (forward and backward) and attention_paged (a prefill appended into pages, then decoding
     with the planner's key splits) on CuPy arrays, each sequence held to the float64 reference on its own rows."""

@@ -155,6 +155,21 @@ def test_a_kernel_compiled_with_mods_is_reported_without_a_bound():
 
 
 @needs_tools
+def test_a_dropout_kernels_keep_bits_count_once_a_tile():
+    """--dropout: the planner's float16 forward at d = 64 compiled with dropout (128 x 64 tiles where the keep bits
+    would spill 128 x 128): no local memory, and its keep-bit loop (two Philox calls and a byte stored per
+    iteration) weighted by its trip count, Br x Bc / 8 bytes over 128 threads, on the path and in the span."""
+    rows, _ = sass_report.run(["H100"], ["float16"], [64], 16384, 16384, kernels_wanted="forward", dropout=True)
+    [row] = rows
+    assert row["dropout"] and row["config"] == str(BlockConfig.mma(128, 64, 4))
+    assert row["usage"]["spill_stores"] == row["usage"]["stack"] == 0 and row["span"]["local"] == 0
+    [keep] = [x for x in row["inner_loops"] if x["step"] == "keep bits"]
+    assert keep["trips"] == 128 * 8 // 128 and keep["iteration"] > 100  # two Philox calls of ~60 instructions
+    assert row["per_tile"]["instructions"] > keep["trips"] * keep["iteration"]
+    assert row["opcodes"]["STS.U8"] == keep["trips"]
+
+
+@needs_tools
 def test_tensor_core_forward_counts(tiny):
     """The float16 forward at d = 64 on an H100: every product on tensor cores, each tile's K/V prefetch
     (16-byte chunks unrolled in the steady loop, which holds no inner loop), no local memory, and issue 12's

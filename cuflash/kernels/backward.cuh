@@ -52,7 +52,9 @@ struct BackwardShared {
     static constexpr size_t p_offset = v_offset + KStages * align16(sizeof(T) * Bc * LDE);
     static constexpr size_t ds_offset = p_offset + align16(sizeof(Acc) * Rows * LDP);
     static constexpr size_t rows_offset = ds_offset + align16(sizeof(Acc) * Rows * LDP);
-    static constexpr size_t bytes = rows_offset + QStages * align16(sizeof(Acc) * 2 * Br);
+    static constexpr size_t drop_offset = rows_offset + QStages * align16(sizeof(Acc) * 2 * Br);
+    using Dropout = BlockDropout<Br, Bc, 1>;  // kernels compiled with CUFLASH_DROPOUT: one keep tile
+    static constexpr size_t bytes = drop_offset + (kDropout ? Dropout::bytes : 0);
 };
 
 // The shared tiles of one backward block, by name, the swept ones (Q, dO and the row terms of bwd_dkdv; K and V of
@@ -176,6 +178,9 @@ struct DqBlock {
         : p(params), smem(shared), s(smem), ops(view), visits(tiles), K(k_source), V(v_source), i0(ops.queries.begin),
           rows(ops.queries.size()), tx(threadIdx.x % TC), ty(threadIdx.x / TC), dQ(dq) {}
 
+    // With dropout: the block's keep bits of the visit's key tile.
+    __device__ __forceinline__ typename Smem::Dropout dropout() const { return {smem + Smem::drop_offset}; }
+
     // Q_i, dO_i and their row terms stay for the whole sweep: loaded once, here (they land by the first tile's
     // barrier). With two stages the first key tile's copies go out too.
     __device__ __forceinline__ void start() {
@@ -184,6 +189,7 @@ struct DqBlock {
         load_row_terms<Br, Threads, false>(s.terms, row_terms_of(p.terms, ops.base), i0, rows);
         if constexpr (Stages == 2)
             if (visits.tiles > 0) load_kv_async(key_start(0), 0);
+        if constexpr (kDropout) dropout().start(p);
         zero(dQ);
     }
 
@@ -226,7 +232,8 @@ struct DqBlock {
 
     // P and dS of each pair from its row's terms (score_gradient), into shared memory to be read by rows (a hidden
     // pair's P as hidden_p), and dbias = dS where asked. plain: a full tile without bias (so without a dbias to
-    // write); key_tile passes a constant, so each kind of tile is compiled apart.
+    // write); key_tile passes a constant, so each kind of tile is compiled apart. With dropout dP = dO_i V_j^T is
+    // the gradient of the kept probabilities: times Z (1 / (1 - p) where kept, 0 where dropped) the softmax's.
     __device__ __forceinline__ void gradients(const bool plain, const Acc (&S)[RPT][CPT], const Acc (&dP)[RPT][CPT],
                                               const Scores<Acc>& scores, long long j0, int cols, bool partial) const {
 #pragma unroll
@@ -234,12 +241,15 @@ struct DqBlock {
             const int r = ty + RG * a;
             const long long i = i0 + r;
             const RowTerm<Acc> t = s.terms[r];
+            [[maybe_unused]] KeepBits<TC * (CPT - 1) + 1> keep;
+            if constexpr (kDropout) keep = dropout().tile(0).template bits<TC * (CPT - 1) + 1>(r, tx);
 #pragma unroll
             for (int c = 0; c < CPT; ++c) {
                 const int jj = tx + TC * c;
-                Acc p_ij, ds;
-                const bool visible = score_gradient(plain, S[a][c], dP[a][c], t, scores, i, j0 + jj, jj, cols,
-                                                    partial, p_ij, ds);
+                Acc p_ij, ds, dp = dP[a][c];
+                if constexpr (kDropout) dp *= keep[TC * c] ? Acc(p.dropout.scale) : Acc(0);
+                const bool visible = score_gradient(plain, S[a][c], dp, t, scores, i, j0 + jj, jj, cols, partial,
+                                                    p_ij, ds);
                 s.P[r * Smem::LDP + jj] = visible ? p_ij : hidden_p<Acc>();
                 s.dS[r * Smem::LDP + jj] = ds;
                 if (!plain && (p.flags & kWantDbias) && r < rows && jj < cols)
@@ -261,6 +271,7 @@ struct DqBlock {
         const long long j0 = key_start(t);
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
         const Tiles swept(smem, stage);  // this key tile's K and V
+        if constexpr (kDropout) dropout().template fill<Threads>(0, i0, j0);  // read after load_kv's barrier
         load_kv(t, j0, cols, stage);
         Acc S[RPT][CPT], dP[RPT][CPT];
         products(S, dP, swept);
@@ -336,6 +347,9 @@ struct DkdvBlock {
           terms_b(row_terms_of(p.terms, ops.base)), j0(ops.keys.begin), keys(ops.keys.size()), tx(threadIdx.x % TC),
           ty(threadIdx.x / TC), dK(dk), dV(dv) {}
 
+    // With dropout: the block's keep bits of the visit's query tile by its keys.
+    __device__ __forceinline__ typename Smem::Dropout dropout() const { return {smem + Smem::drop_offset}; }
+
     // K_j and V_j stay for the whole sweep: loaded once, here (they land by the first tile's barrier). With two
     // stages the first query tile's copies go out too.
     __device__ __forceinline__ void start() {
@@ -343,6 +357,7 @@ struct DkdvBlock {
         load_rows<T, Bc, E, Smem::LDE, Threads>(s.V, ops.source(p.v, kV, p.e, p.flags, kVectorV), j0, keys);
         if constexpr (Stages == 2)
             if (visits.tiles > 0) load_queries_async(query_start(0), 0);
+        if constexpr (kDropout) dropout().start(p);
         zero(dK);
         zero(dV);
     }
@@ -390,19 +405,30 @@ struct DkdvBlock {
 
     // P^T and dS^T of each pair from its query's terms (score_gradient), into shared memory to be read by rows (a
     // hidden pair's P as hidden_p). plain: a full tile (every query of it too) without bias; query_tile passes a
-    // constant, so each kind of tile is compiled apart.
+    // constant, so each kind of tile is compiled apart. With dropout, dV takes P Z and dS dP Z (Z: 1 / (1 - p)
+    // where kept, 0 where dropped; a key's bits are its column in its query's row of the keep tile).
     __device__ __forceinline__ void gradients(const bool plain, const Acc (&S)[RPT][CPT], const Acc (&dP)[RPT][CPT],
                                               const Tiles& swept, const Scores<Acc>& scores, long long i0,
                                               bool partial) const {
+        [[maybe_unused]] KeepBits<RG * (RPT - 1) + 1> keep[CPT];
+        if constexpr (kDropout)
+#pragma unroll
+            for (int c = 0; c < CPT; ++c)
+                keep[c] = dropout().tile(0).template bits<RG * (RPT - 1) + 1>(tx + TC * c, ty);
 #pragma unroll
         for (int a = 0; a < RPT; ++a) {
             const int r = ty + RG * a;
 #pragma unroll
             for (int c = 0; c < CPT; ++c) {
                 const int ii = tx + TC * c;
-                Acc p_ij, ds;
-                const bool visible = score_gradient(plain, S[a][c], dP[a][c], swept.terms[ii], scores, i0 + ii,
-                                                    j0 + r, r, keys, partial, p_ij, ds);
+                Acc p_ij, ds, dp = dP[a][c], z = Acc(1);
+                if constexpr (kDropout) {
+                    z = keep[c][RG * a] ? Acc(p.dropout.scale) : Acc(0);
+                    dp *= z;
+                }
+                const bool visible = score_gradient(plain, S[a][c], dp, swept.terms[ii], scores, i0 + ii, j0 + r, r,
+                                                    keys, partial, p_ij, ds);
+                if constexpr (kDropout) p_ij *= z;
                 s.P[r * Smem::LDP + ii] = visible ? p_ij : hidden_p<Acc>();
                 s.dS[r * Smem::LDP + ii] = ds;
             }
@@ -424,6 +450,7 @@ struct DkdvBlock {
         const long long i0 = query_start(t);
         const int rows = (int)min_ll(Br, ops.queries.end - i0);
         const Tiles swept(smem, stage);  // this query tile's Q, dO and row terms
+        if constexpr (kDropout) dropout().template fill<Threads>(0, i0, j0);  // read after load_queries' barrier
         load_queries(t, i0, rows, stage);
         Acc S[RPT][CPT], dP[RPT][CPT];
         products(S, dP, swept);

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from ..dtypes import acc_dtype_of
-from ..family import LANES_PER_ROW, BackwardFamily, BlockConfig, Shape, align16
+from ..family import LANES_PER_ROW, BackwardFamily, BlockConfig, Shape, align16, dropout_bytes
 from .forward import (ACC_REGISTER_LIMIT, ACC_REGISTER_TARGET, STAGES, bucket, columns_reasons, cuda_core_limits,
                       eligibility, p_pitch_bytes, row_pitch_bytes, rows_per_thread_reasons)
 
@@ -46,7 +46,8 @@ class CudaCoreBackward(BackwardFamily):
     def shared_memory_bytes(self, shape: Shape, config: BlockConfig) -> int:
         """Q and dO of the query tile, K and V of the key tile (rows padded, as the forward's Q and K), P and dS over
         (own rows) x (swept columns, a P-like pitch) and two row terms per query in the accumulator type (the swept
-        tiles, and for dK dV the row terms, once per stage); each region 16-byte aligned. Mirrors BackwardShared."""
+        tiles, and for dK dV the row terms, once per stage); each region 16-byte aligned; with dropout, one keep tile
+        (dropout_bytes). Mirrors BackwardShared."""
         item, acc = shape.dtype.itemsize, acc_dtype_of(shape.dtype).itemsize
         D, E = self.buckets(shape, config)
         own, swept = self.own_and_swept(config)
@@ -54,7 +55,7 @@ class CudaCoreBackward(BackwardFamily):
         tiles = sum(stages * align16(rows * row_pitch_bytes(item, width))
                     for stages, rows in ((q_stages, config.Br), (k_stages, config.Bc)) for width in (D, E))
         p = align16(own * p_pitch_bytes(acc, swept))
-        return tiles + 2 * p + q_stages * align16(acc * 2 * config.Br)
+        return tiles + 2 * p + q_stages * align16(acc * 2 * config.Br) + dropout_bytes(shape, config, 1)
 
     def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
         """Per thread: S and dP over its rows x swept columns, and the block's gradients (dQ; or dK and dV)."""

@@ -58,11 +58,13 @@ struct MmaBackwardShared {
     static constexpr size_t w_offset = rows_offset + QStages * align16(sizeof(float) * 2 * Br);
     static constexpr size_t h_offset = w_offset + align16(sizeof(float) * Warps * 16 * LDW);
     static constexpr size_t sweep_offset = h_offset + align16(sizeof(unsigned) * Warps * 16 * 4);
-    static constexpr size_t bytes = sweep_offset + align16(sizeof(Sweep));
+    static constexpr size_t drop_offset = sweep_offset + align16(sizeof(Sweep));
+    using Dropout = BlockDropout<Br, Bc, 2>;  // kernels compiled with CUFLASH_DROPOUT: two keep tiles
+    static constexpr size_t bytes = drop_offset + (kDropout ? Dropout::bytes : 0);
 };
 
 // The shared tiles of one block by name, and this warp's scratch (W: 16 rows of the swept width + 1 floats, H: 16 x 4
-// words of hidden bits).
+// words of hidden bits); with dropout, the keep tiles (dropout(): visit t's in buffer t % 2).
 template <typename T, typename Smem> struct MmaBackwardTiles {
     T *Q, *dO, *K, *V;
     RowTerm<float>* terms;
@@ -74,6 +76,9 @@ template <typename T, typename Smem> struct MmaBackwardTiles {
           terms(reinterpret_cast<RowTerm<float>*>(smem + Smem::rows_offset)),
           W(reinterpret_cast<float*>(smem + Smem::w_offset) + warp * 16 * Smem::LDW),
           H(reinterpret_cast<unsigned*>(smem + Smem::h_offset) + warp * 16 * 4) {}
+    __device__ __forceinline__ typename Smem::Dropout dropout() const {
+        return {reinterpret_cast<unsigned char*>(Q) - Smem::q_offset + Smem::drop_offset};
+    }
 };
 
 namespace mma {
@@ -161,6 +166,9 @@ __device__ __forceinline__ void store_fragments(float* dst, const float (&C)[MT]
         }
 }
 
+// Dropout's Z of a pair: 1 / (1 - p) where kept, 0 where dropped (dP times it is the softmax's gradient).
+__device__ __forceinline__ float dropout_z(bool kept, float scale) { return kept ? scale : 0.0f; }
+
 // P and dS of one pair of a plain tile (full, fully visible, no mask or bias): P = exp2 of one FMA, the scale
 // folded in, on the MUFU unit (flush-to-zero: a P below 2^-126 of the row's maximum is negligible).
 __device__ __forceinline__ void plain_gradient(float S, float dP, float shift, float delta_i, float scale_log2,
@@ -188,7 +196,8 @@ template <int R, int C> __device__ __forceinline__ void zero(float (&x)[R][C][4]
 // others after it. block.load(tile, stage, hop, steady) issues a swept tile's copies into `stage` and commits them
 // (hop: the stages from there to the next tile's, StageRing; steady: the tile is a chunk loaders' one, no need to
 // ask): with two stages one visit ahead, into the stage the last visit used; with one at the visit, once every warp
-// is done with the last.
+// is done with the last. With dropout, block.keep_bits(0) makes the first visit's keep bits, and
+// block.keep_ahead(t) after visit t's barrier the next one's.
 template <int Stages, typename Block> __device__ __forceinline__ void sweep(const SweepOrder& order, Block& block) {
     static_assert(Stages == 1 || Stages == 2, "the swept tiles in one stage, or two (the next one's in flight)");
     StageRing<Stages> ring;
@@ -203,9 +212,12 @@ template <int Stages, typename Block> __device__ __forceinline__ void sweep(cons
         // (a steady visit always has a next tile: the one its prefetch is chunked for)
         if (Stages == 2 && (decltype(steady)::value || t + 1 < order.tiles))
             block.load(order.at(t + 1), ring.before(), ring.hop_before(), steady);
+        if constexpr (kDropout) block.keep_ahead(t);
         block.visit(tile, ring.stage, steady, order.whole(t));
     };
     if (Stages == 2 && order.tiles > 0) block.load(order.at(0), 0, 1, Steady<false>{});
+    if constexpr (kDropout)
+        if (order.tiles > 0) block.keep_bits(0);  // while the first copies fly
     int t = 0;
     if constexpr (kPlainTiles)
         for (; t < order.steady; ++t, ring.advance()) step(t, Steady<true>{});
@@ -258,6 +270,7 @@ struct MmaDkdvBlock {
     OLoader& dO_load;
     DGrad& dK;
     EGrad& dV;
+    int keeps = 0;  // with dropout: the keep tile of the visit (its buffer)
 
     __device__ __forceinline__ MmaDkdvBlock(const Params<T>& params, const Sweep& sweep, const Tiles& tiles,
                                             const mma::Place& at, QLoader& q_load, OLoader& do_load, DGrad& dk,
@@ -277,6 +290,49 @@ struct MmaDkdvBlock {
         dO_load = OLoader(ops.row_of(p.dout, kDout, chunks_from), ops.strides(kDout).row, (int)p.e, s.dO);
         mma::zero(dK);
         mma::zero(dV);
+        if constexpr (kDropout) s.dropout().start(p);
+    }
+
+    // The first query of visit v's tile.
+    __device__ __forceinline__ long long query_start(int v) const {
+        return ops.queries.begin + (long long)order.at(v) * Br;
+    }
+    // Dropout: visit t's keep bits into buffer t % 2, the first before any visit's barrier, the others after the
+    // barrier of the visit before (every warp is done with the buffer).
+    __device__ __forceinline__ void keep_bits(int t) { s.dropout().template fill<Threads>(t & 1, query_start(t), j0); }
+    __device__ __forceinline__ void keep_ahead(int t) {
+        keeps = t & 1;
+        if (t + 1 < order.tiles) keep_bits(t + 1);
+    }
+    // Dropout: P^T times the keep bit (what dV takes; store scales it by 1 / (1 - p)) and dP^T times Z, before the
+    // gradients; a thread's queries are its columns, its keys (rows) bits warp_row + quad_row + 16 mt + 8 h of each
+    // query's row of the keep tile.
+    __device__ __forceinline__ void drop_dp(Frags& dP) const {
+        const auto tile = s.dropout().tile(keeps);
+        const float scale = (float)p.dropout.scale;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const auto keep = tile.template bits<16 * MT - 7>(8 * nt + 2 * quad_col + x, warp_row + quad_row);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) dP[mt][nt][2 * h + x] *= mma::dropout_z(keep[16 * mt + 8 * h], scale);
+            }
+    }
+    __device__ __forceinline__ void drop_p(Frags& P) const {
+        const auto tile = s.dropout().tile(keeps);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const auto keep = tile.template bits<16 * MT - 7>(8 * nt + 2 * quad_col + x, warp_row + quad_row);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) P[mt][nt][2 * h + x] *= keep[16 * mt + 8 * h] ? 1.0f : 0.0f;
+            }
     }
 
     // Query tile `tile`'s Q_i, dO_i and row terms into stage `stage`, one cp.async group (hop: for the chunk
@@ -361,7 +417,9 @@ struct MmaDkdvBlock {
         const T* const dO_i = s.dO + stage * Br * Smem::LDE;
         Frags P, dS;
         products(P, dS, Q_i, dO_i);
+        if constexpr (kDropout) drop_dp(dS);
         plain_gradients(P, dS, s.terms + stage * Br);
+        if constexpr (kDropout) drop_p(P);
         add_dv_dk(P, dS, Q_i, dO_i);
     }
 
@@ -379,7 +437,9 @@ struct MmaDkdvBlock {
         const Scores<float> scores = Scores<float>::of(ops, p, i0 + rows, whole);
         const bool partial = scores.partial(i0, rows, j0, keys, Bc);
         unsigned hidden[MT][2];
+        if constexpr (kDropout) drop_dp(dS);
         gradients(P, dS, hidden, s.terms + stage * Br, scores, i0, partial);
+        if constexpr (kDropout) drop_p(P);
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Br, D, Threads>(Q_i, rows) ||
                                                          mma::tile_nonfinite<T, Br, E, Threads>(dO_i, rows));
         if (!careful) {
@@ -395,8 +455,8 @@ struct MmaDkdvBlock {
         ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
         mma::store_fragments<MT, D>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row,
                                     ops.strides(kDk).col, warp_row, keys, p.d, lane);
-        mma::store_fragments<MT, E>(ops.row_of(p.dv, kDv, j0), dV, 1.0f, ops.strides(kDv).row, ops.strides(kDv).col,
-                                    warp_row, keys, p.e, lane);
+        mma::store_fragments<MT, E>(ops.row_of(p.dv, kDv, j0), dV, kDropout ? (float)p.dropout.scale : 1.0f,
+                                    ops.strides(kDv).row, ops.strides(kDv).col, warp_row, keys, p.e, lane);
     }
 };
 
@@ -454,6 +514,7 @@ struct MmaDqBlock {
     KLoader& K_load;
     VLoader& V_load;
     Grad& dQ;
+    int keeps = 0;  // with dropout: the keep tile of the visit (its buffer)
 
     __device__ __forceinline__ MmaDqBlock(const Params<T>& params, const Sweep& sweep, const Tiles& tiles,
                                           const mma::Place& at, KLoader& k_load, VLoader& v_load, Grad& dq)
@@ -473,6 +534,35 @@ struct MmaDqBlock {
         K_load = KLoader(ops.row_of(p.k, kK, chunks_from), ops.strides(kK).row, (int)p.d, s.K);
         V_load = VLoader(ops.row_of(p.v, kV, chunks_from), ops.strides(kV).row, (int)p.e, s.V);
         mma::zero(dQ);
+        if constexpr (kDropout) s.dropout().start(p);
+    }
+
+    // The first key of visit v's tile.
+    __device__ __forceinline__ long long key_start(int v) const {
+        return ops.keys.begin + (long long)order.at(v) * Bc;
+    }
+    // Dropout: visit t's keep bits into buffer t % 2, the first before any visit's barrier, the others after the
+    // barrier of the visit before (every warp is done with the buffer).
+    __device__ __forceinline__ void keep_bits(int t) { s.dropout().template fill<Threads>(t & 1, i0, key_start(t)); }
+    __device__ __forceinline__ void keep_ahead(int t) {
+        keeps = t & 1;
+        if (t + 1 < order.tiles) keep_bits(t + 1);
+    }
+    // Dropout: dP times Z before the gradients (dQ takes only dS); a thread's keys: columns 2 quad_col + {0, 1} of
+    // each n8 tile of its rows of the keep tile.
+    __device__ __forceinline__ void drop_dp(Frags& dP) const {
+        const auto tile = s.dropout().tile(keeps);
+        const float scale = (float)p.dropout.scale;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const auto keep = tile.template bits<8 * NT - 6>(warp_row + 16 * mt + quad_row + 8 * h, 2 * quad_col);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) dP[mt][nt][2 * h + x] *= mma::dropout_z(keep[8 * nt + x], scale);
+            }
     }
 
     // Key tile `tile`'s K_j and V_j into stage `stage`, one cp.async group (hop: for the chunk loaders; a steady
@@ -557,6 +647,7 @@ struct MmaDqBlock {
         const T* const V_j = s.V + stage * Bc * Smem::LDE;
         Frags P, dS;
         products(P, dS, K_j, V_j);
+        if constexpr (kDropout) drop_dp(dS);
         plain_gradients(P, dS);
         add_dq(dS, K_j);
     }
@@ -574,6 +665,7 @@ struct MmaDqBlock {
         const Scores<float> scores = Scores<float>::of(ops, p, ops.queries.end, whole);
         const bool partial = scores.partial(i0, rows, j0, cols, Bc);
         unsigned hidden[MT][2];
+        if constexpr (kDropout) drop_dp(dS);
         gradients(P, dS, hidden, scores, j0, cols, partial);
         const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads>(K_j, cols));
         if (!careful)

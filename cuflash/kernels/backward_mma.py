@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-from ..family import BackwardFamily, BlockConfig, Shape, align16
+from ..family import BackwardFamily, BlockConfig, Shape, align16, dropout_bytes
 from .forward_mma import (ROW_PAD_BYTES, ROWS_PER_TILE, SWEEP_BYTES, bucket, dtype_and_device_reasons,
                           own_rows_reasons, swept_reasons)
 
@@ -51,14 +51,14 @@ class TensorCoreBackward(BackwardFamily):
     def shared_memory_bytes(self, shape: Shape, config: BlockConfig) -> int:
         """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk), two float row terms per query (the swept tiles
         and those terms once per stage), each warp's scratch: 16 rows of the swept width + 1 floats and 16 x 4
-        words, and last the block's Sweep. Mirrors MmaBackwardShared."""
+        words, the block's Sweep, and with dropout two keep tiles last (dropout_bytes). Mirrors MmaBackwardShared."""
         D, E = self.buckets(shape, config)
         swept = self.own_and_swept(config)[1]
         q_stages, k_stages = (config.stages, 1) if self.keys_own else (1, config.stages)
         tiles = sum(stages * align16(ITEM * rows * (width + ROW_PAD_BYTES // ITEM))
                     for stages, rows in ((q_stages, config.Br), (k_stages, config.Bc)) for width in (D, E))
         scratch = align16(4 * config.warps * 16 * (swept + 1)) + align16(4 * config.warps * 16 * 4)
-        return tiles + q_stages * align16(4 * 2 * config.Br) + scratch + SWEEP_BYTES
+        return tiles + q_stages * align16(4 * 2 * config.Br) + scratch + SWEEP_BYTES + dropout_bytes(shape, config, 2)
 
     def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
         """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients."""

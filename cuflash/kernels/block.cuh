@@ -563,6 +563,28 @@ template <typename Make> __device__ __forceinline__ const Sweep& shared_sweep(un
     return *reinterpret_cast<const Sweep*>(at);
 }
 
+// A block's dropout (kernels compiled with CUFLASH_DROPOUT) in shared memory at `at`: its DropoutRow (dropout_of,
+// once per block: start), then Buffers keep tiles of Br query rows by Bc keys (KeepTile), each filled by the whole
+// block for one visit and read after a barrier. With one buffer a visit fills its own before its first barrier
+// (the last visit's reads are behind a barrier of that visit); with two a visit fills the next one's after its
+// first barrier, while the warps read its own. bytes: cuflash/family.py's dropout_bytes.
+template <int Br, int Bc, int Buffers> struct BlockDropout {
+    using Tile = KeepTile<Br, Bc>;
+    static constexpr size_t kHeader = align16(sizeof(DropoutRow)), kTile = align16(Tile::bytes);
+    static constexpr size_t bytes = kHeader + Buffers * kTile;
+    unsigned char* at;
+
+    template <typename P> __device__ __forceinline__ void start(const P& p) const {
+        if (threadIdx.x == 0) *reinterpret_cast<DropoutRow*>(at) = dropout_of(p.dropout, batch_item());
+        __syncthreads();
+    }
+    __device__ __forceinline__ Tile tile(int buffer) const { return {at + kHeader + buffer * kTile}; }
+    // Buffer `buffer` with the bits of query rows [i0, i0 + Br) x keys [j0, j0 + Bc).
+    template <int Threads> __device__ __forceinline__ void fill(int buffer, long long i0, long long j0) const {
+        tile(buffer).template fill<Threads>(*reinterpret_cast<const DropoutRow*>(at), i0, j0);
+    }
+};
+
 // The output's type: T, or the accumulator's for the partial results of split keys.
 template <typename T, bool Split> struct OutOf { using type = T; };
 template <typename T> struct OutOf<T, true> { using type = typename AccOf<T>::type; };

@@ -32,7 +32,9 @@ struct ForwardShared {
     static constexpr size_t k_offset = q_offset + align16(sizeof(T) * Br * LDQ);
     static constexpr size_t v_offset = k_offset + Stages * align16(sizeof(T) * Bc * LDK);
     static constexpr size_t p_offset = v_offset + Stages * align16(sizeof(T) * Bc * LDV);
-    static constexpr size_t bytes = p_offset + align16(sizeof(Acc) * Br * LDP);
+    static constexpr size_t drop_offset = p_offset + align16(sizeof(Acc) * Br * LDP);
+    using Dropout = BlockDropout<Br, Bc, 1>;  // kernels compiled with CUFLASH_DROPOUT: one keep tile
+    static constexpr size_t bytes = drop_offset + (kDropout ? Dropout::bytes : 0);
 };
 
 // One block of the CUDA-core forward, its steps in the order they run (fwd below): Q_i and the first key tile in
@@ -74,12 +76,18 @@ struct FwdBlock {
           V_s(reinterpret_cast<T*>(smem + Smem::v_offset)), P_s(reinterpret_cast<Acc*>(smem + Smem::p_offset)),
           tx(threadIdx.x % TC), ty(threadIdx.x / TC) {}
 
+    // With dropout: the block's keep bits of the visit's key tile (past the tiles; Q's are first).
+    __device__ __forceinline__ typename Smem::Dropout dropout() const {
+        return {reinterpret_cast<unsigned char*>(Q_s) - Smem::q_offset + Smem::drop_offset};
+    }
+
     // With d <= D (Sliced false), Q_i is loaded once, here. A wider d is swept in D-wide slices, and Q_i's slices
     // are reloaded with every key tile (from L2, mostly). A compile-time choice: the slice loop costs registers.
     // With two stages the first key tile's copies go out too.
     __device__ __forceinline__ void start() {
         if constexpr (!Sliced) load_rows<T, Br, D, Smem::LDQ, Threads>(Q_s, Q, ops.queries.begin, ops.queries.size());
         softmax.start(ops, p);
+        if constexpr (kDropout) dropout().start(p);
 #pragma unroll
         for (int a = 0; a < RPT; ++a)
 #pragma unroll
@@ -159,11 +167,20 @@ struct FwdBlock {
     }
 
     // The online softmax: rows whose max grew rescale l_i and O_i, then P = exp2(S - m_i) goes to shared memory (a
-    // hidden key's as hidden_p) to be read by rows.
+    // hidden key's as hidden_p) to be read by rows. With dropout l_i takes every P, P V only the kept ones
+    // (scale_kept multiplies O_i by 1 / (1 - p) at the end).
     __device__ __forceinline__ void probabilities(ScoreTile& S, const unsigned (&hidden)[RPT]) {
         Acc m_old[RPT];
         if (softmax.raise_max(S, Acc(1), m_old)) softmax.rescale(m_old, O_i);
         softmax.exponentiate(S, Acc(1));
+        if constexpr (kDropout) {
+#pragma unroll
+            for (int a = 0; a < RPT; ++a) {
+                const auto keep = dropout().tile(0).template bits<TC * (CPT - 1) + 1>(ty + RG * a, tx);
+#pragma unroll
+                for (int c = 0; c < CPT; ++c) S.x[a][c] = keep[TC * c] ? S.x[a][c] : Acc(0);
+            }
+        }
 #pragma unroll
         for (int a = 0; a < RPT; ++a)
 #pragma unroll
@@ -178,6 +195,8 @@ struct FwdBlock {
     __device__ __forceinline__ void key_tile(int t, int stage) {
         const long long j0 = key_start(t);
         const int cols = (int)min_ll(Bc, ops.keys.end - j0);
+        if constexpr (kDropout)  // the visit's keep bits, read after the barriers of scores
+            dropout().template fill<Threads>(0, ops.queries.begin, j0);
         ScoreTile S;
         scores(S, t, j0, cols, stage);
         const Range& rows = ops.queries;
@@ -187,6 +206,14 @@ struct FwdBlock {
         probabilities(S, hidden);
         weighted_rows<RPT, EPT, RG, Smem::LDP, Smem::LDV>(O_i.x, P_s, P_s, V_s + stage * Bc * Smem::LDV, cols,
                                                           partial, ty, tx);
+    }
+
+    // Dropout: the kept probabilities' scale, 1 / (1 - p), once on O_i before the epilogue.
+    __device__ __forceinline__ void scale_kept() {
+#pragma unroll
+        for (int a = 0; a < RPT; ++a)
+#pragma unroll
+            for (int c = 0; c < EPT; ++c) O_i.x[a][c] *= Acc(p.dropout.scale);
     }
 
     // O_i / l_i and the lse of each row (a row that saw no key gives 0 and -inf).
@@ -220,6 +247,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fwd(const Params<T, typename Ou
     block.start();
     int stage = 0;  // K_j's and V_j's buffer
     for (int t = 0; t < block.visits.tiles; ++t, stage = Stages == 2 ? stage ^ 1 : 0) block.key_tile(t, stage);
+    if constexpr (kDropout) block.scale_kept();
     block.epilogue();
 }
 

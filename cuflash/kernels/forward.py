@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Dict, List, Tuple
 
 from ..dtypes import acc_dtype_of
-from ..family import C_TYPES, LANES_PER_ROW, BlockConfig, Family, Shape, align16
+from ..family import C_TYPES, LANES_PER_ROW, BlockConfig, Family, Shape, align16, dropout_bytes
 
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)  # D and E instantiations; the actual d, e are run-time values
 MAX_BUCKET = {"float16": 256, "bfloat16": 256, "float32": 512, "float64": 512}
@@ -91,14 +91,15 @@ class CudaCoreForward(Family):
 
     def shared_memory_bytes(self, shape: Shape, config: BlockConfig) -> int:
         """The Q, K, V tiles in the element type (Q and K rows padded; K and V once per stage) and P in the
-        accumulator type (a P-like pitch); each region 16-byte aligned. Mirrors ForwardShared."""
+        accumulator type (a P-like pitch); each region 16-byte aligned; with dropout, one keep tile
+        (dropout_bytes). Mirrors ForwardShared."""
         item, acc = shape.dtype.itemsize, acc_dtype_of(shape.dtype).itemsize
         D, E = self.buckets(shape, config)
         q = align16(config.Br * row_pitch_bytes(item, D))
         k = align16(config.Bc * row_pitch_bytes(item, D))
         v = align16(item * config.Bc * E)
         p = align16(config.Br * p_pitch_bytes(acc, config.Bc))
-        return q + config.stages * (k + v) + p
+        return q + config.stages * (k + v) + p + dropout_bytes(shape, config, 1)
 
     def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
         """32-bit registers a thread holds for its scores S and output O_i: rows x (score + output columns)."""

@@ -70,7 +70,9 @@ struct MmaShared {
                                                        : p_offset + p_bytes;
     static constexpr size_t lo_offset = Lo ? base_bytes : 0;
     static constexpr size_t sweep_offset = base_bytes + (Lo ? q_offset + q_bytes : 0);
-    static constexpr size_t bytes = sweep_offset + align16(sizeof(Sweep));
+    static constexpr size_t drop_offset = sweep_offset + align16(sizeof(Sweep));
+    using Dropout = BlockDropout<Br, Bc, 2>;  // kernels compiled with CUFLASH_DROPOUT: two keep tiles
+    static constexpr size_t bytes = drop_offset + (kDropout ? Dropout::bytes : 0);
 };
 
 // One block of the tensor-core forward, its steps in the order they run (fwd_mma below): the block's view and
@@ -145,6 +147,14 @@ struct FwdMmaBlock {
     __device__ __forceinline__ long long first_chunked() const {
         return ops.keys.begin + (long long)order.plain.lo * Bc;
     }
+    // The first key of visit v's tile.
+    __device__ __forceinline__ long long key_start(int v) const {
+        return ops.keys.begin + (long long)order.at(v) * Bc;
+    }
+    // With dropout: the block's keep bits, visit t's in buffer t % 2 (past the Sweep; K's stages are first).
+    __device__ __forceinline__ typename Smem::Dropout dropout() const {
+        return {reinterpret_cast<unsigned char*>(K_s) - Smem::k_offset + Smem::drop_offset};
+    }
 
     // K_j and V_j of key tile `tile` into pipeline stage `stage` (hop: StageRing's, for the chunk loaders). The
     // general copy finds each row's page where the keys are paged.
@@ -183,6 +193,10 @@ struct FwdMmaBlock {
             if (s < order.tiles) load_kv(order.at(s), s, 1);
             ptx::cp_async_commit();
         }
+        if constexpr (kDropout) {  // the first visit's keep bits while the copies fly, read after its first barrier
+            dropout().start(p);
+            if (order.tiles > 0) dropout().template fill<Threads>(0, ops.queries.begin, key_start(0));
+        }
         ptx::cp_async_wait<Stages - 1>();
         __syncthreads();
         if (Math::kPrepare) {
@@ -206,7 +220,8 @@ struct FwdMmaBlock {
 
     // A key tile's start (visit t, its stage in `ring`): the tile has landed for every thread, every warp is done
     // with the stage the prefetch reuses, and the tile Stages - 1 visits on is on its way. Steady visits (plain
-    // tiles whose prefetch is a full tile for the chunk loaders) take the chunk loaders without asking.
+    // tiles whose prefetch is a full tile for the chunk loaders) take the chunk loaders without asking. With
+    // dropout the next visit's keep bits are made once the prefetch is out (every warp is done with their buffer).
     template <bool Steady> __device__ __forceinline__ void begin_tile() {
         ptx::cp_async_wait<Stages - 2>();
         __syncthreads();
@@ -221,6 +236,8 @@ struct FwdMmaBlock {
             Math::template prepare<Bc, E, Smem::LDV, Threads>(V_s + ring.stage * Bc * Smem::LDV, kLoBytes);
             __syncthreads();
         }
+        if constexpr (kDropout)
+            if (t + 1 < order.tiles) dropout().template fill<Threads>((t + 1) & 1, ops.queries.begin, key_start(t + 1));
     }
 
     // S = Q_i K_j^T over the NP n8 tiles of keys from column c0 of the tile.
@@ -268,6 +285,7 @@ struct FwdMmaBlock {
     __device__ __forceinline__ bool hot_loop(ScoreTile<NT>& S, Acc (&m_old)[2 * MT]) {
         for (;;) {
             softmax.exponentiate(S, p.scale_log2);
+            if constexpr (kDropout) drop_probabilities(S, (t - 1) & 1, 0);  // t: the next visit's already
             Math::template pv<Smem::LDV, MT, NT, ET>(O_i.x, S.x, V_j, kLoBytes);
             next_v();
             ring.advance();
@@ -317,6 +335,7 @@ struct FwdMmaBlock {
             Acc m_old[2 * MT];
             if (softmax.raise_max(S, S_scale, m_old)) softmax.rescale(m_old, O_i);
             softmax.exponentiate(S, S_scale);
+            if constexpr (kDropout) drop_probabilities(S, t & 1, c0);
             if (!careful)  // O_i += P_ij V_j, P in registers
                 Math::template pv<Smem::LDV, MT, NP, ET>(O_i.x, S.x, V_j + c0 * Smem::LDV * (int)sizeof(T), kLoBytes);
             else
@@ -355,6 +374,35 @@ struct FwdMmaBlock {
                         if (!visible) hidden[mt][h] |= 1u << (2 * nt + x);
                     }
             }
+    }
+
+    // Dropout: P V takes only the kept probabilities (l_i took them all; scale_kept multiplies O_i by 1 / (1 - p)
+    // at the end), the keep bits of the tile's columns c0 ... in `buffer`. A thread's columns 2 quad_col + {0, 1}
+    // of each n8 tile.
+    template <int NP> __device__ __forceinline__ void drop_probabilities(ScoreTile<NP>& S, int buffer, int c0) const {
+        const auto tile = dropout().tile(buffer);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const auto keep = tile.template bits<8 * NP - 6>(warp_row + 16 * mt + lane / 4 + 8 * h,
+                                                                 c0 + 2 * (lane % 4));
+#pragma unroll
+                for (int nt = 0; nt < NP; ++nt)
+#pragma unroll
+                    for (int x = 0; x < 2; ++x)
+                        S.x[mt][nt][2 * h + x] = keep[8 * nt + x] ? S.x[mt][nt][2 * h + x] : Acc(0);
+            }
+    }
+
+    // Dropout: the kept probabilities' scale, 1 / (1 - p), once on O_i before the epilogue.
+    __device__ __forceinline__ void scale_kept() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int et = 0; et < ET; ++et)
+#pragma unroll
+                for (int y = 0; y < 4; ++y) O_i.x[mt][et][y] *= Acc(p.dropout.scale);
     }
 
     // O_i / l_i into the staging tile (in Q_i's place), and lse; a row that saw no key gives 0 and -inf. A split's
@@ -406,6 +454,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) fwd_mma(const Params<T, typenam
     block.start();
     if constexpr (kPlainTiles) block.steady_tiles();
     while (block.t < block.order.tiles) block.other_tile();
+    if constexpr (kDropout) block.scale_kept();
     block.epilogue();
 }
 

@@ -9,9 +9,10 @@ It runs float16 and bfloat16 (mma.m16n8k16), float32 on TF32 tensor cores (preci
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Tuple
 
-from ..family import C_TYPES, BlockConfig, Family, Shape
+from ..family import C_TYPES, BlockConfig, Family, Shape, dropout_bytes
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 MIN_COMPUTE_CAPABILITY = (8, 0)  # mma.sync m16n8k16 with bf16, m16n8k8 with tf32, m8n8k4 f64; cp.async
@@ -43,6 +44,10 @@ REGISTER_LIMIT = 160
 # the CUDA-core kernel's 8 warps run such shapes faster.
 MIN_RESIDENT_WARPS = 4
 STEADY_REGISTER_LIMIT = 192  # S and O_i in the steady loop (128 x 64 at d = 128, 128 x 128 at d = 64)
+# With dropout, a warp of two m16 tiles also holds its four rows' keep bits in the steady loop, and the next tile's
+# Philox calls beside O_i: ptxas spills past S + O_i + this many words over the target (sm_80 and sm_90: 128 x 128
+# tiles at d = 32 and 64, 128 x 64 at d = 128 with 4 warps), and compiles the rest without.
+DROPOUT_WORDS = 32
 # float32 and float64 take the rest of the registers for their products: 3xTF32 holds each fragment's high and
 # low parts, float64 two registers per value. ptxas's counts for every candidate (sm_80 and sm_90) put their
 # spill thresholds here, so 3xTF32 runs head dims up to 192, one TF32 pass up to 256 and float64 up to 160, with
@@ -155,7 +160,8 @@ class TensorCoreForward(Family):
     def shared_memory_bytes(self, shape: Shape, config: BlockConfig) -> int:
         """Stages K and V tiles, the Q tile (reused for O by the epilogue), and P's scratch rows (in the Q tile's
         space when Q_i sits in registers); rows padded (row_pads); for 3xTF32, a copy of the K, V and Q regions
-        for their low parts; last, the block's Sweep. Mirrors MmaShared."""
+        for their low parts; the block's Sweep; with dropout, two keep tiles last (dropout_bytes). Mirrors
+        MmaShared."""
         D, E, item = bucket(shape.d), bucket(shape.e), shape.dtype.itemsize
         qk_pad, pad = row_pads(shape)
         k = item * config.Bc * (D + qk_pad)
@@ -164,17 +170,20 @@ class TensorCoreForward(Family):
         p = item * config.warps * ROWS_PER_TILE * (config.Bc + pad)
         rest = max(q, p) if q_in_registers(shape, config) else q + p
         lo = config.stages * (k + v) + q if (shape.dtype.name, shape.precision) == ("float32", "highest") else 0
-        return config.stages * (k + v) + rest + lo + SWEEP_BYTES
+        return config.stages * (k + v) + rest + lo + SWEEP_BYTES + dropout_bytes(shape, config, 2)
 
     def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
         """32-bit registers per thread for S (Bc/2 accumulators per m16 tile), O_i (E/2) and, when kept, Q_i's
         fragments (D/4 of 16-bit types); float64 accumulators take two registers each. Where the other tiles take
         their keys in parts, their share of S: the steady loop holds S whole, without their visibility and
-        copies, and has room for STEADY_REGISTER_LIMIT words (past it, its own count, which the limit refuses)."""
+        copies, and has room for STEADY_REGISTER_LIMIT words (past it, its own count, which the limit refuses). With
+        dropout, two m16 tiles per warp count S + O_i + DROPOUT_WORDS at least."""
         mt, acc = tiles_per_warp(config), max(1, shape.dtype.itemsize // 4)
         s, o = mt * config.Bc // 2 * acc, mt * bucket(shape.e) // 2 * acc
         if s + o > STEADY_REGISTER_LIMIT:
             return s + o
+        if shape.dropout and mt > 1:
+            return max(s + o + DROPOUT_WORDS, self.accumulator_words(dataclasses.replace(shape, dropout=False), config))
         words = s // key_parts(shape, config) + o
         if q_in_registers(shape, config):
             words += mt * bucket(shape.d) * shape.dtype.itemsize // 8

@@ -145,8 +145,10 @@ __device__ __forceinline__ Words philox(unsigned c0, unsigned c1, unsigned c2, u
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;
         }
-        const unsigned long long p0 = 0xD2511F53ull * c0, p1 = 0xCD9E8D57ull * c2;
-        const unsigned h0 = (unsigned)(p0 >> 32), l0 = (unsigned)p0, h1 = (unsigned)(p1 >> 32), l1 = (unsigned)p1;
+        // The 64-bit products' halves as __umulhi and a 32-bit product: one IMAD.WIDE each (a 64-bit product of
+        // the widened words adds its high half to a zero, a quarter more instructions per call).
+        const unsigned h0 = __umulhi(0xD2511F53u, c0), l0 = 0xD2511F53u * c0;
+        const unsigned h1 = __umulhi(0xCD9E8D57u, c2), l1 = 0xCD9E8D57u * c2;
         c0 = h1 ^ c1 ^ k0;
         c1 = l1;
         c2 = h0 ^ c3 ^ k1;
@@ -162,12 +164,15 @@ struct DropoutRow {
     unsigned long long b;
     long long row0, key0;
     unsigned threshold;
-    __device__ __forceinline__ unsigned keep4(long long i, long long j) const {
-        const unsigned long long jj = (unsigned long long)(j + key0);
-        const Words w = philox((unsigned)(jj >> 2), (unsigned)(i + row0), (unsigned)b, (unsigned)(b >> 32),
-                               (unsigned)seed, (unsigned)(seed >> 32));
+    // The keep bits of Philox group `group` ((j + key0) >> 2) of row `row` (i + row0), both mod 2^32: bit t for
+    // key 4 group + t - key0.
+    __device__ __forceinline__ unsigned group_keeps(unsigned group, unsigned row) const {
+        const Words w = philox(group, row, (unsigned)b, (unsigned)(b >> 32), (unsigned)seed, (unsigned)(seed >> 32));
         return (w.x[0] >= threshold) | (w.x[1] >= threshold) << 1 | (w.x[2] >= threshold) << 2 |
                (w.x[3] >= threshold) << 3;
+    }
+    __device__ __forceinline__ unsigned keep4(long long i, long long j) const {
+        return group_keeps((unsigned)((unsigned long long)(j + key0) >> 2), (unsigned)(i + row0));
     }
     __device__ __forceinline__ bool keeps(long long i, long long j) const {
         return (keep4(i, j) >> ((unsigned long long)(j + key0) & 3)) & 1;
@@ -181,6 +186,63 @@ __device__ __forceinline__ DropoutRow dropout_of(const Dropping& d, long long it
     }
     return {d.seed, b, d.row0, d.key0, d.threshold};
 }
+
+// Span keep bits of a row from one of its keys on, bit x for that key + x (KeepTile::bits).
+template <int Span> struct KeepBits {
+    unsigned w[(Span + 31) / 32];
+    __device__ __forceinline__ bool operator[](int x) const { return (w[x >> 5] >> (x & 31)) & 1u; }
+};
+
+// The keep bits of one tile in shared memory, Rows query rows from i0 by Cols keys from j0, made by the whole block
+// (fill: each Philox call, a group of four keys of a row, made once, by one thread, for every thread that needs
+// one of its keys, whatever its layout) and read by any thread (bits). A row's bits start at the Philox group of
+// key j0, so key j0 + c is bit c + shift, shift = (j0 + key0) & 3; rows are kWords words apart, one more than the
+// bits take, so that a 32-bit window from any of their bits reads two words in the row. At `at`: the shift (an
+// int, 16 bytes), then the rows.
+template <int Rows, int Cols> struct KeepTile {
+    static constexpr int kPairs = Cols / 8;  // bytes of two groups that every tile fills, whatever the shift
+    static constexpr int kWords = (Cols + 2) / 32 + 2, kPitch = 4 * kWords;
+    static constexpr size_t bytes = 16 + (size_t)Rows * kPitch;
+    unsigned char* at;
+
+    // Every thread of the block (Threads) calls it; the bits are there for all after the next barrier.
+    template <int Threads>
+    __device__ __forceinline__ void fill(const DropoutRow& d, long long i0, long long j0) const {
+        const unsigned long long first = (unsigned long long)(j0 + d.key0);
+        const unsigned group = (unsigned)(first >> 2), row = (unsigned)(i0 + d.row0);
+        const int groups = (int)(((first + Cols - 1) >> 2) - (first >> 2)) + 1;  // Cols / 4, or one more
+        unsigned char* const rows = at + 16;
+        if (threadIdx.x == 0) *reinterpret_cast<int*>(at) = (int)(first & 3);
+        if constexpr (kPairs > 0) {
+#pragma unroll 1  // two Philox calls at a time: the registers the caller's accumulators leave
+            for (int u = threadIdx.x; u < Rows * kPairs; u += Threads) {
+                const int r = u / kPairs, x = u % kPairs;
+                rows[r * kPitch + x] = (unsigned char)(d.group_keeps(group + 2 * x, row + r) |
+                                                       d.group_keeps(group + 2 * x + 1, row + r) << 4);
+            }
+        }
+#pragma unroll 1
+        for (int x = 2 * kPairs; x < groups; x += 2)  // a group past them (a key tile not on a group), or two
+#pragma unroll 1
+            for (int r = threadIdx.x; r < Rows; r += Threads)
+                rows[r * kPitch + x / 2] = (unsigned char)(d.group_keeps(group + x, row + r) |
+                                                           (x + 1 < groups ? d.group_keeps(group + x + 1, row + r) << 4
+                                                                           : 0u));
+    }
+    // Row r's bits of keys j0 + c ... j0 + c + Span - 1 (c + Span <= Cols).
+    template <int Span> __device__ __forceinline__ KeepBits<Span> bits(int r, int c) const {
+        const unsigned* const row = reinterpret_cast<const unsigned*>(at + 16 + r * kPitch);
+        const int k = c + *reinterpret_cast<const int*>(at);
+        KeepBits<Span> out;
+#pragma unroll
+        for (int w = 0; w < (Span + 31) / 32; ++w) {
+            const int bit = k + 32 * w;
+            const unsigned long long two = (unsigned long long)row[(bit >> 5) + 1] << 32 | row[bit >> 5];
+            out.w[w] = (unsigned)(two >> (bit & 31));
+        }
+        return out;
+    }
+};
 
 // Everything a kernel takes, one struct passed by value (its layout declared once in cuflash/launch.py, PARAMS,
 // and checked against this by the compiler): every operand (null where absent; the forward's first, then the

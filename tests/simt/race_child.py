@@ -202,6 +202,38 @@ def case_clean_sequences():
         cuflash.attention_paged(q, k_cache, v_cache, table, cached + 2, backend="simt", block=block)
 
 
+def case_clean_dropout():
+    """Attention dropout's kernels forward and backward (the keep tiles each block makes and its warps read: one
+    buffer on CUDA cores, two on tensor cores), CUDA cores and tensor cores, with tails and a window whose key tiles
+    start off a Philox group, in two schedules."""
+    import cuflash
+    from cuflash import BlockConfig
+    from test_dropout import kernels_only
+    with kernels_only():
+        clean_dropout_runs(cuflash, BlockConfig)
+
+
+def clean_dropout_runs(cuflash, BlockConfig):
+    rng = np.random.default_rng(3)
+    for dtype, forward_block, backward_block, precision in (
+            (np.float32, BlockConfig(16, 16, 2), BlockConfig(16, 16, 2, stages=2), "fma"),
+            (np.float16, BlockConfig.mma(32, 32, 2), BlockConfig.mma(16, 16, 1, stages=1), None),
+            (np.float16, BlockConfig.mma(16, 16, 1), BlockConfig.mma(32, 32, 2, stages=2), None)):
+        q, k, v = (rng.standard_normal((2, n, 24)).astype(dtype) for n in (37, 50, 50))
+        options = dict(window=(20, 3), dropout_p=0.4, seed=8)
+        want, lse = cuflash.attention(q, k, v, return_lse=True, precision=precision, **options)
+        dout = rng.standard_normal(want.shape).astype(dtype)
+        expected = cuflash.attention_backward(dout, q, k, v, want, lse, precision=precision, **options)
+        for seed in ("forward", "reverse"):
+            os.environ["CUFLASH_SIMT_SEED"] = seed
+            out = cuflash.attention(q, k, v, backend="simt", block=forward_block, precision=precision, **options)
+            np.testing.assert_allclose(out.astype(np.float64), want.astype(np.float64), rtol=1e-2, atol=2e-2)
+            grads = cuflash.attention_backward(dout, q, k, v, want, lse, backend="simt", block=backward_block,
+                                               precision=precision, **options)
+            for got, ref in zip(grads, expected):
+                np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), rtol=5e-2, atol=5e-2)
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def test_race_mode_reports_global_memory_races_between_blocks(case, current, pre
 
 
 @pytest.mark.parametrize("case", ["clean_reductions", "clean_blocks", "clean_ptx", "clean_attention",
-                                  "clean_backward", "clean_patterns", "clean_sequences"])
+                                  "clean_backward", "clean_patterns", "clean_sequences", "clean_dropout"])
 def test_race_mode_is_silent_on_correct_kernels(case):
     r = run_child(case)
     assert r.returncode == 0 and f"CLEAN {case}" in r.stdout, r.stdout + r.stderr[-6000:]
