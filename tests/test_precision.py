@@ -229,12 +229,12 @@ def test_dask_accepts_it_and_each_task_gets_it_normalized(monkeypatch):
     da = pytest.importorskip("dask.array")
     import cuflash.dask as cd
     seen = []
-    real = cuflash.api.attention
+    real = cuflash.api._attention
 
-    def recorded(*args, **kwargs):
-        seen.append(kwargs["precision"])
-        return real(*args, **kwargs)
-    monkeypatch.setattr(cuflash.api, "attention", recorded)
+    def recorded(*args):
+        seen.append(args[-1])  # each task's precision, the last argument
+        return real(*args)
+    monkeypatch.setattr(cuflash.api, "_attention", recorded)
     for dtype, expected in ((np.float32, "tf32"), (np.float16, "highest")):
         seen.clear()
         q, k, v = qkv(dtype, n=40, m=50)

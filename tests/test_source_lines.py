@@ -110,5 +110,6 @@ def test_asan_reports_name_the_true_line_of_a_kernel_helper():
     r = subprocess.run([sys.executable, str(HERE / "simt" / "lines_child.py")], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode != 0 and "AddressSanitizer: heap-buffer-overflow" in r.stderr, r.stdout + r.stderr[-4000:]
-    line = line_of("tile.cuh", "dst[r * LD + c] = (r < rows && c < cols) ? src[r * row_stride + c * col_stride]")
+    line = line_of("tile.cuh",
+                   "dst[r * LD + c] = (r < rows && c < cols) ? row_at(src, r, row_stride, walk)[c * col_stride]")
     assert re.search(rf"cuflash/kernels/tile\.cuh:{line}\b", r.stderr), r.stderr[-4000:]
