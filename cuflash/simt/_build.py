@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -135,11 +137,27 @@ def build(tu: str, mode: str, options=(), display_name: str = "kernel.cu") -> Pa
         # Debug info names the kernel source relative to the build directory, not this process's cwd.
         cmd = (shlex.split(cxx) + ([f"-I{pch}"] if pch else []) + flags +
                [f"-fdebug-prefix-map={tmp}=.", str(src), "-o", str(lib)] + _MODE_LINK.get(mode, []))
+        start = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if r.returncode != 0:
             raise CompileError(f"g++ could not compile {display_name} (mode {mode}):\n{r.stderr.strip()}")
         os.replace(lib, out)  # atomic: another process sees the whole file or none
+    log_build(out, display_name, mode, options, time.perf_counter() - start)
     return out
+
+
+def log_build(out: Path, display_name: str, mode: str, options, seconds: float) -> None:
+    """With $CUFLASH_SIMT_BUILD_LOG set, append one JSON line per build actually made (not a cache hit): what was
+    built, for which test, in how many seconds. The cold test suite's time is mostly these builds, so this is how
+    it is kept within its budget."""
+    path = os.environ.get("CUFLASH_SIMT_BUILD_LOG")
+    if not path:
+        return
+    record = dict(library=out.name, source=display_name, mode=mode, seconds=round(seconds, 2),
+                  options=[str(o) for o in options],
+                  test=os.environ.get("PYTEST_CURRENT_TEST", ""))
+    with open(path, "a") as f:  # one short write per line: lines from parallel workers do not interleave
+        f.write(json.dumps(record) + "\n")
 
 
 def precompiled_header(cxx: str, mode: str, options=()) -> Path | None:
