@@ -93,13 +93,45 @@ class Shape:
 class BlockConfig:
     """Tile sizes of a kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
 
-    variant names the family: "fma" the CUDA-core kernels (any dtype; stages=1, or 2 to double-buffer the swept
-    tiles through cp.async on compute capability 8.0+); "mma" the tensor-core kernels on compute capability 8.0+
-    (the forward's stages 2 or 3: BlockConfig.mma; the backward's 1 or 2).
+    Passed as ``block=`` it forces a kernel and its tiles; one that cannot run raises ``ValueError`` listing every
+    reason, each a sentence with the limit and a configuration that fits.
 
-    head_tile ("fma" only): the widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d
-    past it is swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256
-    for 16-bit types, 512 otherwise). A narrower tile lets large head dims fit a small shared memory."""
+    Parameters
+    ----------
+    Br, Bc : int
+        Query rows and keys per tile.
+    warps : int, optional
+        Warps per block: 1, 2, 4 or 8.
+    stages : int, optional
+        Pipeline stages of the swept tiles.
+    variant : {"fma", "mma"}, optional
+        Names the family: "fma" the CUDA-core kernels (any dtype; stages=1, or 2 to double-buffer the swept tiles
+        through cp.async on compute capability 8.0+); "mma" the tensor-core kernels on compute capability 8.0+ (the
+        forward's stages 2 or 3: `BlockConfig.mma`; the backward's 1 or 2).
+    head_tile : int, optional
+        ("fma" only) The widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d past it is
+        swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256 for 16-bit
+        types, 512 otherwise). A narrower tile lets large head dims fit a small shared memory.
+
+    Examples
+    --------
+    What the planner chooses for float16 at d = 64 on an H100, and why a forced block cannot run on an A100:
+
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import tiling
+    >>> from cuflash.family import Shape
+    >>> plan = tiling.plan(Shape(np.float16, 64, 64), cuflash.DeviceLimits.known("H100"))
+    >>> print(plan.config, plan.name)
+    (128, 128, warps=4, stages=2, mma) cuflash::fwd_mma<__half, 128, 128, 64, 64, 4, 2>
+    >>> reasons = tiling.not_supported_reasons(Shape(np.float32, 256, 256), cuflash.BlockConfig(64, 64, warps=8),
+    ...                                        cuflash.DeviceLimits.known("A100"))
+    >>> for part in reasons[0].split("; "):
+    ...     print(part)
+    block (64, 64, warps=8) for d=256 float32 needs 214 KiB of shared memory
+    A100 allows 163 KiB per block
+    (32, 32, warps=8) fits
+    """
 
     Br: int
     Bc: int
