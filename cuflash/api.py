@@ -158,18 +158,18 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
     >>> import numpy as np
     >>> import cuflash
     >>> rng = np.random.default_rng(0)
-    >>> q = rng.standard_normal((2, 2, 4, 128, 64), dtype=np.float32)
-    >>> k, v = (rng.standard_normal((2, 2, 1, 512, 64), dtype=np.float32) for _ in range(2))
+    >>> q = rng.standard_normal((2, 2, 4, 64, 32), dtype=np.float32)
+    >>> k, v = (rng.standard_normal((2, 2, 1, 256, 32), dtype=np.float32) for _ in range(2))
     >>> cuflash.attention(q, k, v).shape
-    (2, 2, 4, 128, 64)
+    (2, 2, 4, 64, 32)
 
     Causal attention with its logsumexp, against the naive formula:
 
     >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     >>> lse.shape, lse.dtype
-    ((2, 2, 4, 128), dtype('float32'))
-    >>> s = q @ k.swapaxes(-1, -2) / 8.0
-    >>> s = np.where(np.arange(512) <= np.arange(128)[:, None] + 384, s, -np.inf)
+    ((2, 2, 4, 64), dtype('float32'))
+    >>> s = q @ k.swapaxes(-1, -2) / np.sqrt(32)
+    >>> s = np.where(np.arange(256) <= np.arange(64)[:, None] + 192, s, -np.inf)
     >>> p = np.exp(s - lse[..., None])
     >>> bool(np.allclose(out, p @ v, atol=1e-5))
     True
@@ -264,13 +264,13 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     >>> import numpy as np
     >>> import cuflash
     >>> rng = np.random.default_rng(1)
-    >>> q = rng.standard_normal((2, 8, 128, 64), dtype=np.float32)
-    >>> k, v = (rng.standard_normal((2, 1, 512, 64), dtype=np.float32) for _ in range(2))  # one key/value head
+    >>> q = rng.standard_normal((2, 8, 64, 32), dtype=np.float32)
+    >>> k, v = (rng.standard_normal((2, 1, 256, 32), dtype=np.float32) for _ in range(2))  # one key/value head
     >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     >>> dout = rng.standard_normal(out.shape, dtype=np.float32)
     >>> dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
     >>> dq.shape, dk.shape                  # dk: the sum over the 8 query heads that share k
-    ((2, 8, 128, 64), (2, 1, 512, 64))
+    ((2, 8, 64, 32), (2, 1, 256, 32))
     """
     xp = array_module(q, k, v, mask, bias, out, lse, dout, sinks=sinks)
     with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):

@@ -86,7 +86,7 @@ def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, b
     >>> import cuflash
     >>> import cuflash.dask
     >>> rng = np.random.default_rng(3)
-    >>> q, k, v = (da.from_array(rng.standard_normal((2, 4096, 64), dtype=np.float32), chunks=(1, 1024, 64))
+    >>> q, k, v = (da.from_array(rng.standard_normal((2, 1024, 32), dtype=np.float32), chunks=(1, 256, 32))
     ...            for _ in range(3))
     >>> out = cuflash.dask.attention(q, k, v, causal=True)    # lazy: 10 chunk-pair tasks per batch chunk, not 16
     >>> result = out.compute()                               # Dask's scheduler, or a dask.distributed Client's

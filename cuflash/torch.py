@@ -94,11 +94,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     --------
     >>> import torch
     >>> from cuflash.torch import attention
-    >>> q, k, v = (torch.randn(2, 8, 256, 64, requires_grad=True) for _ in range(3))
+    >>> q, k, v = (torch.randn(2, 4, 64, 32, requires_grad=True) for _ in range(3))
     >>> out = attention(q, k, v, causal=True)
     >>> out.square().mean().backward()                      # q.grad, k.grad, v.grad
     >>> q.grad.shape
-    torch.Size([2, 8, 256, 64])
+    torch.Size([2, 4, 64, 32])
     """
     groups = Groups.of(q, k, v) if enable_gqa else None
     if groups is None:
@@ -459,9 +459,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     >>> import torch
     >>> import torch.nn.functional as F
     >>> import cuflash.torch
-    >>> q = torch.randn(2, 8, 100, 64, requires_grad=True)            # 8 query heads, 100 queries
-    >>> k, v = (torch.randn(2, 2, 300, 64, requires_grad=True) for _ in range(2))   # 2 key/value heads
-    >>> keep = torch.rand(2, 1, 100, 300) < 0.9                        # True = attend
+    >>> q = torch.randn(2, 8, 50, 32, requires_grad=True)             # 8 query heads, 50 queries
+    >>> k, v = (torch.randn(2, 2, 120, 32, requires_grad=True) for _ in range(2))   # 2 key/value heads
+    >>> keep = torch.rand(2, 1, 50, 120) < 0.9                         # True = attend
     >>> out = cuflash.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
     >>> torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True),
     ...                            rtol=1e-4, atol=1e-5)
@@ -470,9 +470,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     A model's attention runs through it where the model's call is patched, here with ``unittest.mock``:
 
     >>> from unittest import mock
-    >>> layer = torch.nn.TransformerEncoderLayer(64, 4, batch_first=True).eval()
+    >>> layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True).eval()
     >>> with mock.patch.object(F, "scaled_dot_product_attention", cuflash.torch.scaled_dot_product_attention):
-    ...     y = layer(torch.randn(2, 10, 64))
+    ...     y = layer(torch.randn(2, 10, 32))
     """
     check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa)
     floating = attn_mask is not None and attn_mask.dtype != torch.bool

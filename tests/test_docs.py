@@ -61,3 +61,34 @@ def test_docstring_examples_run(name):
         runner.run(test)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed (printed above)"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site built once, warnings as errors, into a temporary folder (the gallery's generated pages go to
+    docs/auto_examples, which git ignores)."""
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, MPLBACKEND="Agg")
+    result = subprocess.run([sys.executable, "-m", "sphinx", "-W", "-q", "-b", "html", "-d", str(out / "doctrees"),
+                             str(DOCS), str(out / "html")], capture_output=True, text=True, cwd=ROOT, env=env,
+                            timeout=600)
+    assert result.returncode == 0, f"the site does not build:\n{result.stdout}\n{result.stderr}"
+    return out / "html"
+
+
+@pytest.mark.parametrize("name", sorted(NAMES) + ["cuflash.bfloat16"])
+def test_every_public_name_has_a_reference_page(site, name):
+    page = site / "reference" / f"{name}.html"
+    assert page.is_file(), f"{name} has no reference page (docs/reference/{name}.rst, listed in its index)"
+    assert f'id="{name}"' in page.read_text(), f"the page of {name} does not document it"
+
+
+def test_the_guide_and_the_gallery_are_built(site):
+    for name in ("getting-started", "semantics", "patterns", "sequences", "training", "dask", "kernels", "proof",
+                 "benchmarks", "architecture"):
+        assert (site / "guide" / f"{name}.html").is_file(), name
+    examples = sorted(p.stem for p in (DOCS / "examples").glob("plot_*.py"))
+    assert len(examples) >= 4
+    for name in examples:
+        page = (site / "auto_examples" / f"{name}.html").read_text()
+        assert f"sphx_glr_{name}_001.png" in page, f"the gallery's {name} draws no figure"
