@@ -62,10 +62,35 @@ def check_precision(precision, dtype, name: str) -> str:
 
 @dataclass(frozen=True)
 class Shape:
-    """What a plan depends on: the element dtype and the head dims d and e, and, when known, the query and key
-    counts n, m and the batch size. n or m None: planned for any sequence lengths (no key splits, no decoding
-    choice). precision: precision= normalized for the dtype (check_precision; "highest", "tf32" for float32
-    only, or "fma"). A Problem gives its own as Problem.shape."""
+    """What a plan depends on: the element dtype and the head dims d and e, and, when known, n, m and the batch size.
+
+    A Problem gives its own as Problem.shape; `cuflash.tiling.plan` takes one to plan for any shape on any GPU.
+
+    Parameters
+    ----------
+    dtype : dtype
+        The element type.
+    d, e : int
+        The head dims of q and k, and of v.
+    n, m : int, optional
+        The query and key counts; None: planned for any sequence lengths (no key splits, no decoding choice).
+    batch_size : int, optional
+        Batch items.
+    precision : str, optional
+        ``precision=`` normalized for the dtype ("highest", "tf32" for float32 only, or "fma").
+    packed, paged, dropout : bool, optional
+        Packed sequences (n and m the longest's: no key splits), paged keys and values (the kernels compiled to walk
+        pages), attention dropout (the kernels compiled to regenerate the keep mask).
+    splits : int, optional
+        Key splits forced (attention_paged's num_splits); None: the heuristic's.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import tiling
+    >>> print(tiling.Shape(np.float32, 64, 32, precision="tf32"))
+    d=64, e=32 float32, precision='tf32'
+    """
 
     dtype: np.dtype
     d: int

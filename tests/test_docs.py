@@ -15,17 +15,19 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PUBLIC_MODULES = ("cuflash", "cuflash.mods", "cuflash.torch", "cuflash.dask")
+PUBLIC_MODULES = ("cuflash", "cuflash.mods", "cuflash.tiling", "cuflash.torch", "cuflash.dask")
 MODS = ("alibi", "alibi_slopes", "softcap", "documents", "prefix_lm", "relative_bias", "causal", "sliding_window",
         "and_masks", "or_masks", "cuda_source", "TraceError")
+PLANNER = ("plan", "backward_plans", "not_supported_reasons", "Plan", "Shape")  # what the guide tells users to call
+CHOSEN = {"cuflash.mods": MODS, "cuflash.tiling": PLANNER}
 
 
 def public_names():
     """(qualified name, object) of every public function and class: each module's __all__ (cuflash.mods: its
-    built-in patterns)."""
+    built-in patterns; cuflash.tiling: the planner's calls the guide names)."""
     for module_name in PUBLIC_MODULES:
         module = importlib.import_module(module_name)
-        for name in MODS if module_name == "cuflash.mods" else module.__all__:
+        for name in CHOSEN[module_name] if module_name in CHOSEN else module.__all__:
             obj = getattr(module, name)
             if inspect.isfunction(obj) or inspect.isclass(obj):
                 yield f"{module_name}.{name}", obj
