@@ -31,7 +31,8 @@ for ax, gpu in zip(axes, gpus):
             ax.annotate(f"{config.Br}×{config.Bc}", (x, row), textcoords="offset points", xytext=(0, 14),
                         ha="center", fontsize=7)
     ax.set(title=f"{gpu} ({device.smem_per_block // 1024} KiB of shared memory per block)", xlabel="head dim d",
-           xticks=range(len(dims)), xticklabels=dims, yticks=range(len(dtypes)), yticklabels=dtypes, ylim=(-0.6, len(dtypes) - 0.2))
+           xticks=range(len(dims)), xticklabels=dims, yticks=range(len(dtypes)), yticklabels=dtypes,
+           ylim=(-0.6, len(dtypes) - 0.2))
 handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=label)
            for c, label in (("#264653", "tensor cores (mma)"), ("#e76f51", "CUDA cores (fma)"))]
 fig.legend(handles=handles, loc="outside lower center", ncol=2)
