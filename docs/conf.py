@@ -26,6 +26,7 @@ extensions = [
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build", "examples", "**/sg_execution_times.rst", "sg_execution_times.rst"]
 root_doc = "index"
+default_role = "autolink"  # `name` in a docstring links to its reference page where there is one
 
 # The reference pages are committed (docs/reference/*.rst), one per public name: nothing is generated into the
 # source tree, and a name listed in an autosummary table without its page is a warning (an error under -W).
