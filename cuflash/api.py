@@ -63,45 +63,116 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, /, *, scale: Optional[Sc
               precision: Optional[str] = None) -> Union[Array, Tuple[Array, Array]]:
     """Exact softmax(scale * q @ k.T + bias, masked) @ v, tile by tile, never holding the n x m scores.
 
-    A generalized ufunc with signature (n,d),(m,d),(m,e)->(n,e): leading dimensions of q, k, v, mask and bias
+    A generalized ufunc with signature ``(n,d),(m,d),(m,e)->(n,e)``: leading dimensions of q, k, v, mask and bias
     broadcast by NumPy's rules (k, v with a size-1 head axis express grouped-query attention without copies).
 
-    scale: multiplies q @ k.T; default 1/sqrt(d).
-    causal: key j visible to query i only when j <= i + (m - n) (bottom-right aligned; for n == m the lower
-        triangle). The top-left variant is window=(None, n - m).
-    window: (left, right), None meaning unbounded: key j is visible to query i when
-        i + (m - n) - left <= j <= i + (m - n) + right. With causal=True, right is min(right, 0).
-    mask: bool array broadcastable to (*batch, n, m); True means attend.
-    bias: real array broadcastable to (*batch, n, m), added to the scaled scores.
-    score_mod: a function score_mod(score, *idx, i, j) -> score of the scaled score (after bias, in the
-        accumulation type), one integer index per batch axis, the query row i and the key j (for (B, H, n, d)
-        inputs: score_mod(score, b, h, i, j)); it may use Python's operators and numbers, NumPy ufuncs, np.where,
-        np.clip, .astype, and index arrays it closes over (cuflash.mods has ALiBi, soft-capping and more).
-    mask_mod: a function mask_mod(*idx, i, j) -> bool, ANDed with mask=, causal= and window=: key j is seen by
-        query i only where it is True. Both are traced once per call into an expression (cuflash.mods).
-    block_mask: a cuflash.BlockMask (cuflash.block_mask) of the call's mask_mod or mask: only the tiles it shows
-        are computed, and the pattern is evaluated only on the tiles it shows in part. Without one, a mask_mod
-        gets one made and kept (by its expression, the sizes and the contents of its arrays; for CuPy arrays made
-        on their device).
-    sinks: real array broadcastable to (*batch,): one logit per batch item that joins every row's softmax
-        denominator and carries no value (attention sinks); lse includes it.
-    dropout_p: attention dropout, 0 <= p < 1: each probability is dropped with probability p, the kept ones
-        scaled by 1 / (1 - p) after the softmax (lse is the softmax's). Which elements are kept is a pure function
-        of (seed, batch index, i, j) (cuflash.dropout_mask), the same on every backend and tile size.
-    seed: an int in [0, 2^64) for dropout; None with dropout_p > 0 draws one from NumPy's global generator
-        (np.random.seed makes it reproducible) and records it: cuflash.last_seed() gives it, for the backward.
-    out: array of exactly the result's shape; the result is cast to its dtype with same-kind casting.
-    return_lse: also return lse (*batch, n), the natural log of the sum of exp of each row's final scores
-        (float32, or float64 when computing in float64); -inf for a row with no visible key.
-    backend: None picks from the arrays' module ("numpy" for NumPy arrays, "cupy" for CuPy arrays);
-        "numpy", "cupy" or "simt" forces one.
-    block: (Br, Bc) query and key tile sizes for the backend (see the README for each backend's use).
-    precision: how the GPU kernels compute float32: None or "highest" (float32-exact: on tensor cores only as
-        3xTF32, else on CUDA cores), "tf32" (one TF32 tensor-core pass: faster, less exact) or "fma" (CUDA cores,
-        never tensor cores). float64 and the 16-bit types ignore it except "fma". The numpy backend computes the
-        same whatever it is.
+    Parameters
+    ----------
+    q, k, v : array_like
+        ``(*batch, n, d)``, ``(*batch, m, d)``, ``(*batch, m, e)``: NumPy or CuPy arrays (not mixed) of float16,
+        bfloat16, float32 or float64 (integers and bools compute in float64).
+    scale : float, optional
+        Multiplies ``q @ k.T``; default ``1/sqrt(d)``.
+    causal : bool, optional
+        Key j visible to query i only when ``j <= i + (m - n)`` (bottom-right aligned; for n == m the lower
+        triangle). The top-left variant is ``window=(None, n - m)``.
+    window : tuple of (int or None, int or None), optional
+        ``(left, right)``, None meaning unbounded: key j is visible to query i when
+        ``i + (m - n) - left <= j <= i + (m - n) + right``. With ``causal=True``, right is ``min(right, 0)``.
+    mask : array_like of bool, optional
+        Broadcastable to ``(*batch, n, m)``; True means attend.
+    bias : array_like, optional
+        Real, broadcastable to ``(*batch, n, m)``, added to the scaled scores.
+    score_mod : callable, optional
+        ``score_mod(score, *idx, i, j) -> score`` of the scaled score (after bias, in the accumulation type), one
+        integer index per batch axis, the query row i and the key j (for ``(B, H, n, d)`` inputs
+        ``score_mod(score, b, h, i, j)``); it may use Python's operators and numbers, NumPy ufuncs, ``np.where``,
+        ``np.clip``, ``.astype``, and index arrays it closes over (`cuflash.mods` has ALiBi, soft-capping and more).
+    mask_mod : callable, optional
+        ``mask_mod(*idx, i, j) -> bool``, ANDed with ``mask=``, ``causal=`` and ``window=``: key j is seen by query
+        i only where it is True. Both are traced once per call into an expression (`cuflash.mods`).
+    block_mask : BlockMask, optional
+        A `cuflash.BlockMask` (`cuflash.block_mask`) of the call's mask_mod or mask: only the tiles it shows are
+        computed, and the pattern is evaluated only on the tiles it shows in part. Without one, a mask_mod gets one
+        made and kept (by its expression, the sizes and the contents of its arrays; for CuPy arrays made on their
+        device).
+    sinks : array_like, optional
+        Real, broadcastable to ``(*batch,)``: one logit per batch item that joins every row's softmax denominator
+        and carries no value (attention sinks); lse includes it.
+    dropout_p : float, optional
+        Attention dropout, ``0 <= p < 1``: each probability is dropped with probability p, the kept ones scaled by
+        ``1 / (1 - p)`` after the softmax (lse is the softmax's). Which elements are kept is a pure function of
+        (seed, batch index, i, j) (`cuflash.dropout_mask`), the same on every backend and tile size.
+    seed : int, optional
+        An int in ``[0, 2^64)`` for dropout; None with ``dropout_p > 0`` draws one from NumPy's global generator
+        (``np.random.seed`` makes it reproducible) and records it: `cuflash.last_seed` gives it, for the backward.
+    out : ndarray, optional
+        Array of exactly the result's shape; the result is cast to its dtype with same-kind casting. It may be
+        strided or overlap an input.
+    return_lse : bool, optional
+        Also return lse ``(*batch, n)``, the natural log of the sum of exp of each row's final scores (float32, or
+        float64 when computing in float64); -inf for a row with no visible key.
+    backend : {None, "numpy", "cupy", "simt"}, optional
+        None picks from the arrays' module ("numpy" for NumPy arrays, "cupy" for CuPy arrays); "numpy", "cupy" or
+        "simt" forces one.
+    block : tuple of (int, int), str or BlockConfig, optional
+        ``(Br, Bc)`` query and key tile sizes for the backend, ``"mma"`` / ``"fma"`` (one kernel, its heuristic's
+        tiles) or a `cuflash.BlockConfig` (see the guide's page on the kernels and the planner).
+    precision : {None, "highest", "tf32", "fma"}, optional
+        How the GPU kernels compute float32: None or "highest" (float32-exact: on tensor cores only as 3xTF32, else
+        on CUDA cores), "tf32" (one TF32 tensor-core pass: faster, less exact) or "fma" (CUDA cores, never tensor
+        cores). float64 and the 16-bit types ignore it except "fma". The numpy backend computes the same whatever
+        it is.
 
-    Returns out, or (out, lse) with return_lse=True.
+    Returns
+    -------
+    out : ndarray
+        ``(*batch, n, e)`` in NumPy's result type of q, k and v (bfloat16 promoting like float16), or ``out=``.
+    lse : ndarray
+        ``(*batch, n)``, only with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match or broadcast (in NumPy's words), a window, scale or block that cannot be, a
+        forced kernel configuration that cannot run (with every reason).
+    TypeError
+        Dtypes that cannot be (complex, object), mixed NumPy and CuPy operands, masked arrays, flags that are not
+        bools, a mod that cannot be traced.
+    IndexError
+        A mod reading outside an array it closes over.
+    BackendUnavailableError
+        A forced backend that cannot run here.
+
+    See Also
+    --------
+    attention_backward : the gradients.
+    merge : join attention over disjoint key sets by their lse.
+    attention_varlen, attention_paged : packed sequences and a paged KV cache.
+
+    Examples
+    --------
+    Grouped-query attention by broadcasting: 8 query heads as (2 groups, 4 heads) over 2 key/value heads, which
+    are never copied.
+
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 2, 4, 64, 32), dtype=np.float32)
+    >>> k, v = (rng.standard_normal((2, 2, 1, 256, 32), dtype=np.float32) for _ in range(2))
+    >>> cuflash.attention(q, k, v).shape
+    (2, 2, 4, 64, 32)
+
+    Causal attention with its logsumexp, against the naive formula:
+
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> lse.shape, lse.dtype
+    ((2, 2, 4, 64), dtype('float32'))
+    >>> s = q @ k.swapaxes(-1, -2) / np.sqrt(32)
+    >>> s = np.where(np.arange(256) <= np.arange(64)[:, None] + 192, s, -np.inf)
+    >>> p = np.exp(s - lse[..., None])
+    >>> bool(np.allclose(out, p @ v, atol=1e-5))
+    True
     """
     xp = array_module(q, k, v, mask, bias, out, sinks=sinks)
     # CuPy allocates and launches on the current device: make it the operands' one for casts, out and lse.
@@ -140,22 +211,67 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     """The gradients (dq, dk, dv), and dbias with bias_grad=True, of attention's result given dout, the gradient
     of a loss with respect to it.
 
-    q, k, v and the keywords are those of the forward call that returned (out, lse) (return_lse=True), with the
+    q, k, v and the keywords are those of the forward call that returned (out, lse) (``return_lse=True``), with the
     same meaning. Each gradient has its operand's own shape: axes the forward broadcast are summed, so k and v
     shared by a group of query heads get the group's sum, and a bias broadcast over the batch its sum over the
     batch. Gradients have the forward's result dtype; 16- and 32-bit inputs accumulate in float32, float64 in
     float64. Hidden keys (causal, window, mask, -inf bias) get exactly zero gradient, and a NaN or inf in a
-    hidden key or value never reaches a gradient. Deterministic: the same inputs give the same bits. precision:
-    as attention's, for the backward's kernels. score_mod's derivative with respect to the score is traced from
-    the same function. With sinks=, dsinks (the sinks' own shape) follows the other gradients.
+    hidden key or value never reaches a gradient. Deterministic: the same inputs give the same bits. score_mod's
+    derivative with respect to the score is traced from the same function.
 
-    score_mod_grads: floating arrays score_mod closes over (the very objects: learnable ALiBi slopes, a
-    relative-position table) whose gradients follow, in that order, each of its array's shape and dtype: every read
-    of the array adds dS * d score_mod / d the value read to the element it read (summed in a fixed order:
-    deterministic). These calls run the blocked algorithm on every backend.
+    Parameters
+    ----------
+    dout : array_like
+        ``(*batch, n, e)``: the gradient of a loss with respect to out.
+    q, k, v : array_like
+        The forward's operands.
+    out, lse : array_like
+        The forward's results (``return_lse=True``).
+    scale, causal, window, mask, bias, score_mod, mask_mod, block_mask, sinks, backend, block, precision
+        As `attention`'s, for the forward call that gave out and lse (precision: for the backward's kernels).
+    dropout_p, seed : float, int
+        The forward's: the backward regenerates the elements it kept (a seed is required with ``dropout_p > 0``:
+        the forward's own, or `cuflash.last_seed` after a forward that drew one).
+    bias_grad : bool, optional
+        Also return dbias, in the bias's own shape, fourth.
+    score_mod_grads : sequence of arrays, optional
+        Floating arrays score_mod closes over (the very objects: learnable ALiBi slopes, a relative-position
+        table) whose gradients follow, in that order, each of its array's shape and dtype: every read of the array
+        adds ``dS * d score_mod / d (the value read)`` to the element it read (summed in a fixed order:
+        deterministic). These calls run the blocked algorithm on every backend.
 
-    dropout_p, seed: the forward's: the backward regenerates the elements it kept (a seed is required with
-    dropout_p > 0: the forward's own, or cuflash.last_seed() after a forward that drew one)."""
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        In q's, k's and v's shapes.
+    dbias : ndarray
+        With ``bias_grad=True``.
+    dsinks : ndarray
+        With ``sinks=``, in the sinks' own shape, after the other gradients.
+    *grads : ndarray
+        With ``score_mod_grads=``, one per array, last.
+
+    Raises
+    ------
+    ValueError
+        As `attention`, and dout, out or lse of the wrong shape, ``bias_grad=True`` without a bias, ``seed=None``
+        with ``dropout_p > 0``.
+    TypeError
+        As `attention`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(1)
+    >>> q = rng.standard_normal((2, 8, 64, 32), dtype=np.float32)
+    >>> k, v = (rng.standard_normal((2, 1, 256, 32), dtype=np.float32) for _ in range(2))  # one key/value head
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> dout = rng.standard_normal(out.shape, dtype=np.float32)
+    >>> dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> dq.shape, dk.shape                  # dk: the sum over the 8 query heads that share k
+    ((2, 8, 64, 32), (2, 1, 256, 32))
+    """
     xp = array_module(q, k, v, mask, bias, out, lse, dout, sinks=sinks)
     with device_of(xp, (q, k, v, mask, bias, dout, out, lse)):
         return _attention_backward(xp, dout, q, k, v, out, lse, scale, causal, window, mask, bias,

@@ -24,11 +24,40 @@ EVALUATED_ELEMENTS = 2**22  # mask elements evaluated at once while building: a 
 
 
 class BlockMask:
-    """The tiles of a pattern (see the module's text). Made by cuflash.block_mask; read by the backends.
+    """The tiles of a pattern: which (query tile, key tile) pairs it hides, shows whole, or shows in part.
 
-    shape: (*batch, n, m), batch axes of size 1 shared by every batch item; block: (Br, Bc); kinds: int8 array
-    (*batch, row tiles, key tiles) of HIDDEN, PARTIAL or FULL; mask_mod (traced) or mask (a boolean array
-    broadcastable to (*batch, n, m)): what decides the elements of a partial tile."""
+    Made by `cuflash.block_mask`; passed as ``block_mask=``, it is reused across calls and layers: only the tiles it
+    shows are computed, and the pattern is evaluated only on the partial ones. It describes its arrays' contents when
+    it was made: make a new one when they change. Its ``repr`` draws the tiles.
+
+    Attributes
+    ----------
+    shape : tuple of int
+        ``(*batch, n, m)``, batch axes of size 1 shared by every batch item.
+    block : tuple of (int, int)
+        ``(Br, Bc)``.
+    kinds : ndarray of int8
+        ``(*batch, row tiles, key tiles)`` of HIDDEN (0), PARTIAL (1) or FULL (2).
+    kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices : ndarray
+        FlexAttention's per-row-tile lists of the partial and of the full key tiles; ``q_*`` their transposes, per
+        key tile, for a key-tile sweep.
+    mask_mod, mask
+        The traced mod, or a boolean array broadcastable to ``(*batch, n, m)``: what decides the elements of a
+        partial tile.
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> pattern = cuflash.block_mask(mods.causal, (), 256, 256, block=(64, 64))
+    >>> pattern.to_dense().astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [1, 1, 1, 0],
+           [1, 1, 1, 1]])
+    >>> pattern.covering(128, 128).density
+    0.75
+    """
 
     def __init__(self, kinds, shape, block, mask_mod=None, mask=None, function=None):
         self.kinds, self.shape, self.block = kinds, tuple(shape), tuple(block)
@@ -50,7 +79,7 @@ class BlockMask:
         return float((self.kinds != HIDDEN).mean()) if self.kinds.size else 0.0
 
     def to_dense(self):
-        """(*batch, row tiles, key tiles) booleans: whether each tile is shown (partly or whole)."""
+        """``(*batch, row tiles, key tiles)`` booleans: whether each tile is shown (partly or whole)."""
         return self.kinds != HIDDEN
 
     def key_tiles(self, entry, row_tile: int) -> Iterator[Tuple[int, bool]]:
@@ -84,7 +113,8 @@ class BlockMask:
 
     def retile(self, br: int, bc: int) -> "BlockMask":
         """The same pattern on tiles of (br, bc), exactly as fine as it was: sizes must divide one another on each
-        axis (a caller's block= for the blocked algorithm). covering() does the work."""
+        axis (a caller's ``block=`` for the blocked algorithm). `covering` does the work.
+        """
         for old, new in zip(self.block, (br, bc)):
             if old % new and new % old:
                 raise ValueError(f"the block mask's tiles {self.block} cannot be re-tiled to ({br}, {bc}): each "
@@ -170,13 +200,52 @@ def _lists(chosen):
 
 def block_mask(mask_mod=None, batch_shape=(), n: Optional[int] = None, m: Optional[int] = None, *, mask=None,
                block: Optional[Tuple[int, int]] = None, device: Any = None) -> BlockMask:
-    """The BlockMask of mask_mod(*idx, i, j) over (*batch_shape, n, m), or of a dense boolean mask= (broadcastable
-    to (*batch, n, m); its own shape gives the batch, n and m when they are not given). block: (Br, Bc) tile
-    sizes, default (128, 128). Batch axes the pattern does not read are kept as size 1. device: where mask_mod is
-    evaluated: None on the CPU with NumPy, or a CUDA device (its number or a cupy.cuda.Device) with CuPy, the
-    arrays it closes over read there (a CuPy mask= is read on its own device). Either way a row of tiles at a
-    time, never an (n, m) array; the tile kinds and lists are kept on the host (the kernels' copies go to each
-    device once)."""
+    """The BlockMask of ``mask_mod(*idx, i, j)`` over ``(*batch_shape, n, m)``, or of a dense boolean ``mask=``.
+
+    Evaluated a row of tiles at a time, never an (n, m) array; the tile kinds and lists are kept on the host (the
+    kernels' copies go to each device once). Batch axes the pattern does not read are kept as size 1.
+
+    Parameters
+    ----------
+    mask_mod : callable, optional
+        ``mask_mod(*idx, i, j) -> bool``, as `cuflash.attention` takes it.
+    batch_shape : tuple of int
+        The batch axes of the calls it serves.
+    n, m : int
+        Queries and keys.
+    mask : array_like of bool, optional
+        Instead of mask_mod: a dense mask broadcastable to ``(*batch, n, m)``; its own shape gives the batch, n and m
+        when they are not given.
+    block : tuple of (int, int), optional
+        ``(Br, Bc)`` tile sizes, default (128, 128).
+    device : int or cupy.cuda.Device, optional
+        Where mask_mod is evaluated: None on the CPU with NumPy, or a CUDA device (its number or a
+        ``cupy.cuda.Device``) with CuPy, the arrays it closes over read there (a CuPy ``mask=`` is read on its own
+        device).
+
+    Returns
+    -------
+    BlockMask
+        For every (query tile, key tile) of every batch entry, whether the pattern hides it, shows it whole or in part.
+
+    Raises
+    ------
+    ValueError
+        Neither or both of mask_mod and mask, sizes or tiles that cannot be.
+    TypeError
+        A mask_mod that cannot be traced, a mask that is not boolean.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> ids = np.repeat(np.arange(4), 128)[None]            # (B, n): 4 packed documents
+    >>> def same_document(b, h, i, j):
+    ...     return ids[b, i] == ids[b, j]
+    >>> pattern = cuflash.block_mask(same_document, (1, 4), 512, 512)
+    >>> pattern.shape, pattern.block, pattern.density       # the pattern reads no head: that axis is shared
+    ((1, 1, 512, 512), (128, 128), 0.25)
+    """
     br, bc = _check_block(block)
     if (mask_mod is None) == (mask is None):
         raise ValueError("block_mask: give a mask_mod or mask=, not both and not neither")

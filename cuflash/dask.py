@@ -31,25 +31,68 @@ from .dtypes import acc_dtype_of
 from .merging import array_module, merge
 from .problem import Window
 
+__all__ = ["attention"]
+
 NAME = "cuflash.dask.attention"
 
 
 def attention(q, k, v, /, *, scale=None, causal=False, window=None, mask=None, bias=None, score_mod=None,
               mask_mod=None, block_mask=None, sinks=None, dropout_p=0.0, seed=None, return_lse=False, backend=None,
               block=None, precision: Optional[str] = None, split_every: Optional[int] = None):
-    """cuflash.attention on Dask arrays (any operand may also be a NumPy or CuPy array): lazy, returns a Dask
-    array (and the lse with return_lse=True) chunked as q along the query axis, and along each batch axis as the
-    common refinement of the operands' chunks there.
+    """`cuflash.attention` on Dask arrays (any operand may also be a NumPy or CuPy array): lazy.
 
-    The keywords are cuflash.attention's (no out=: a Dask array is never written in place), with the same
-    meaning, plus split_every: how many partial results of a query chunk one merge task takes (default Dask's
-    config "split_every", else 4). Key chunks that the window or causal= hide from a whole query chunk make no
-    task. The head dims d and e are rechunked to one chunk each, the key axis of v, mask and bias to k's chunks,
-    and the query axis of mask and bias to q's. Each task runs the backend its chunks' type picks (NumPy chunks:
-    numpy, CuPy chunks: cupy) unless backend= forces one. score_mod and mask_mod see global indices (each task's
-    chunk offsets added); a chunk pair a block mask (block_mask=, made from a mask_mod) hides makes no task; the
-    sinks join each query chunk's merged result once. Dropout keeps the elements cuflash.attention keeps on the
-    whole arrays (each task's chunk placed in them; a seed drawn for seed=None is drawn once, for the graph)."""
+    Each (query chunk, key chunk) pair is one task calling `cuflash.attention` on its chunks; a query chunk's parts
+    merge with `cuflash.merge` in a tree of split_every parts per task, so no n x m block exists anywhere. Key chunks
+    that the window or ``causal=`` hide from a whole query chunk make no task. The head dims d and e are rechunked to
+    one chunk each, the key axis of v, mask and bias to k's chunks, and the query axis of mask and bias to q's. Each
+    task runs the backend its chunks' type picks (NumPy chunks: numpy, CuPy chunks: cupy) unless ``backend=`` forces
+    one. There is no backward on Dask arrays; `cuflash.torch` is the way to train.
+
+    Parameters
+    ----------
+    q, k, v : dask.array.Array or array_like
+        As `cuflash.attention`'s operands; chunk sizes must be known.
+    scale, causal, window, mask, bias, sinks, return_lse, backend, block, precision
+        `cuflash.attention`'s keywords (no ``out=``: a Dask array is never written in place), with the same meaning.
+    score_mod, mask_mod : callable, optional
+        As attention's; they see global indices (each task's chunk offsets added).
+    block_mask : BlockMask, optional
+        Made from a mask_mod: a chunk pair whose tiles it hides makes no task (``mask_mod=`` alone prunes nothing).
+    dropout_p, seed
+        Dropout keeps the elements cuflash.attention keeps on the whole arrays (each task's chunk placed in them; a
+        seed drawn for ``seed=None`` is drawn once, for the graph).
+    split_every : int, optional
+        How many partial results of a query chunk one merge task takes (default Dask's config "split_every", else 4).
+
+    Returns
+    -------
+    out : dask.array.Array
+        Chunked as q along the query axis, and along each batch axis as the common refinement of the operands'
+        chunks there.
+    lse : dask.array.Array
+        With ``return_lse=True``; the sinks join each query chunk's merged result once.
+
+    Raises
+    ------
+    ValueError
+        As `cuflash.attention`'s, chunks of unknown size, ``out=``.
+    TypeError
+        As `cuflash.attention`'s.
+
+    Examples
+    --------
+    >>> import dask.array as da
+    >>> import numpy as np
+    >>> import cuflash
+    >>> import cuflash.dask
+    >>> rng = np.random.default_rng(3)
+    >>> q, k, v = (da.from_array(rng.standard_normal((2, 1024, 32), dtype=np.float32), chunks=(1, 256, 32))
+    ...            for _ in range(3))
+    >>> out = cuflash.dask.attention(q, k, v, causal=True)    # lazy: 10 chunk-pair tasks per batch chunk, not 16
+    >>> result = out.compute()                               # Dask's scheduler, or a dask.distributed Client's
+    >>> bool(np.allclose(result, cuflash.attention(q.compute(), k.compute(), v.compute(), causal=True), atol=1e-5))
+    True
+    """
     return_lse = api.check_flag(return_lse, "return_lse")
     operands = [as_dask(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (bias, "bias"))]
     batch, n, m, d, e, dtype = api.core_sizes(*operands)

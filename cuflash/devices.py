@@ -17,7 +17,31 @@ def fmt_bytes(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class DeviceLimits:
-    """What a GPU allows a thread block; read from the device, or one of KNOWN for planning without it."""
+    """What a GPU allows a thread block; read from the device, or one of the known GPUs for planning without it.
+
+    The planner (``cuflash.tiling.plan``) reads these to choose a kernel and its tiles and to say why a forced
+    configuration cannot run.
+
+    Attributes
+    ----------
+    name : str
+        The GPU's name.
+    compute_capability : tuple of (int, int)
+        For example (8, 0) for an A100.
+    sm_count : int
+        Streaming multiprocessors.
+    smem_per_block, smem_per_sm : int
+        The opt-in maximum of dynamic shared memory per block, and the shared memory of an SM, in bytes.
+    regs_per_sm, regs_per_thread, max_threads_per_sm, max_blocks_per_sm, max_threads_per_block : int
+        The SM's and a block's other limits.
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> a100 = cuflash.DeviceLimits.known("A100")
+    >>> a100.sm_count, a100.smem_per_block // 1024
+    (108, 163)
+    """
 
     name: str
     compute_capability: Tuple[int, int]
@@ -44,7 +68,17 @@ class DeviceLimits:
 
     @classmethod
     def known(cls, name: str) -> "DeviceLimits":
-        """A GPU of the table by a part of its name, case-insensitive: "A100", "h100", "RTX 4090"."""
+        """A GPU of the table by a part of its name, case-insensitive: "A100", "h100", "RTX 4090".
+
+        Known: T4, V100, A10, RTX 3090, A100, L4, RTX 4090, H100, H200; for planning for a GPU you do not have.
+
+        Examples
+        --------
+        >>> import cuflash
+        >>> h100 = cuflash.DeviceLimits.known("h100")
+        >>> h100.name, h100.compute_capability, h100.smem_per_block // 1024
+        ('H100', (9, 0), 227)
+        """
         key = name.lower().replace("nvidia", "").strip()
         for exact in (True, False):  # "A10" is the A10, not the A100
             for limits in KNOWN:

@@ -139,15 +139,71 @@ def check(dropout_p, seed, name: str = NAME, backward: bool = False) -> Tuple[fl
 
 
 def last_seed() -> Optional[int]:
-    """The seed the last attention call with dropout_p > 0 and seed=None drew in this thread (None before any):
-    give it to attention_backward (seed=) so that it drops the elements the forward dropped."""
+    """The seed the last attention call with ``dropout_p > 0`` and ``seed=None`` drew in this thread.
+
+    Give it to `cuflash.attention_backward` (``seed=``) so that it drops the elements the forward dropped.
+
+    Returns
+    -------
+    int or None
+        None before any such call.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> q = k = v = np.ones((1, 8, 4))
+    >>> np.random.seed(0)                                   # makes the drawn seed reproducible
+    >>> out, lse = cuflash.attention(q, k, v, dropout_p=0.5, return_lse=True)
+    >>> seed = cuflash.last_seed()
+    >>> grads = cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, dropout_p=0.5, seed=seed)
+    """
     return getattr(_drawn, "seed", None)
 
 
 def dropout_mask(batch_shape, n: int, m: int, *, p: float, seed: int) -> np.ndarray:
-    """The keep mask (True: kept) of attention over a batch of this shape, n queries and m keys, with dropout_p=p
-    and this seed: bool (*batch_shape, n, m), the elements every backend keeps. For tests and debugging (it is
-    n x m); attention never makes it."""
+    """The keep mask (True: kept) of attention with ``dropout_p=p`` and this seed: the elements every backend keeps.
+
+    Whether element (b, i, j) is kept is a pure function of the seed, its batch index b (its place in the broadcast
+    batch shape, row-major), its query i and its key j: word ``j & 3`` of Philox-4x32-10 of the counter
+    ``(j >> 2, i, b mod 2^32, b >> 32)`` under the 64-bit seed, dropped when below ``floor(p * 2^32)``. For tests and
+    debugging (it is n x m); attention never makes it.
+
+    Parameters
+    ----------
+    batch_shape : tuple of int
+        The broadcast batch shape of the call.
+    n, m : int
+        Queries and keys.
+    p : float
+        The call's dropout_p, ``0 <= p < 1``.
+    seed : int
+        The call's seed, in ``[0, 2^64)``.
+
+    Returns
+    -------
+    ndarray of bool
+        ``(*batch_shape, n, m)``.
+
+    Raises
+    ------
+    ValueError
+        p or seed out of range, negative sizes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(6)
+    >>> q, k, v = (rng.standard_normal((2, 4, 64, 32)) for _ in range(3))
+    >>> out = cuflash.attention(q, k, v, dropout_p=0.1, seed=1234)
+    >>> keep = cuflash.dropout_mask((2, 4), 64, 64, p=0.1, seed=1234)     # the elements the call kept
+    >>> s = q @ k.swapaxes(-1, -2) / np.sqrt(32)
+    >>> weights = np.exp(s - s.max(-1, keepdims=True))
+    >>> weights /= weights.sum(-1, keepdims=True)
+    >>> bool(np.allclose(out, (weights * keep / 0.9) @ v))
+    True
+    """
     p, checked = check(p, seed, "dropout_mask", backward=True)
     batch_shape = tuple(int(x) for x in batch_shape)
     dropout = Dropout(p, checked if checked is not None else 0, row_major(batch_shape))

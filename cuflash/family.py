@@ -62,10 +62,35 @@ def check_precision(precision, dtype, name: str) -> str:
 
 @dataclass(frozen=True)
 class Shape:
-    """What a plan depends on: the element dtype and the head dims d and e, and, when known, the query and key
-    counts n, m and the batch size. n or m None: planned for any sequence lengths (no key splits, no decoding
-    choice). precision: precision= normalized for the dtype (check_precision; "highest", "tf32" for float32
-    only, or "fma"). A Problem gives its own as Problem.shape."""
+    """What a plan depends on: the element dtype and the head dims d and e, and, when known, n, m and the batch size.
+
+    A Problem gives its own as Problem.shape; `cuflash.tiling.plan` takes one to plan for any shape on any GPU.
+
+    Parameters
+    ----------
+    dtype : dtype
+        The element type.
+    d, e : int
+        The head dims of q and k, and of v.
+    n, m : int, optional
+        The query and key counts; None: planned for any sequence lengths (no key splits, no decoding choice).
+    batch_size : int, optional
+        Batch items.
+    precision : str, optional
+        ``precision=`` normalized for the dtype ("highest", "tf32" for float32 only, or "fma").
+    packed, paged, dropout : bool, optional
+        Packed sequences (n and m the longest's: no key splits), paged keys and values (the kernels compiled to walk
+        pages), attention dropout (the kernels compiled to regenerate the keep mask).
+    splits : int, optional
+        Key splits forced (attention_paged's num_splits); None: the heuristic's.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cuflash import tiling
+    >>> print(tiling.Shape(np.float32, 64, 32, precision="tf32"))
+    d=64, e=32 float32, precision='tf32'
+    """
 
     dtype: np.dtype
     d: int
@@ -93,13 +118,45 @@ class Shape:
 class BlockConfig:
     """Tile sizes of a kernel: Br query rows and Bc keys per tile, warps per block, pipeline stages.
 
-    variant names the family: "fma" the CUDA-core kernels (any dtype; stages=1, or 2 to double-buffer the swept
-    tiles through cp.async on compute capability 8.0+); "mma" the tensor-core kernels on compute capability 8.0+
-    (the forward's stages 2 or 3: BlockConfig.mma; the backward's 1 or 2).
+    Passed as ``block=`` it forces a kernel and its tiles; one that cannot run raises ``ValueError`` listing every
+    reason, each a sentence with the limit and a configuration that fits.
 
-    head_tile ("fma" only): the widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d
-    past it is swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256
-    for 16-bit types, 512 otherwise). A narrower tile lets large head dims fit a small shared memory."""
+    Parameters
+    ----------
+    Br, Bc : int
+        Query rows and keys per tile.
+    warps : int, optional
+        Warps per block: 1, 2, 4 or 8.
+    stages : int, optional
+        Pipeline stages of the swept tiles.
+    variant : {"fma", "mma"}, optional
+        Names the family: "fma" the CUDA-core kernels (any dtype; stages=1, or 2 to double-buffer the swept tiles
+        through cp.async on compute capability 8.0+); "mma" the tensor-core kernels on compute capability 8.0+ (the
+        forward's stages 2 or 3: `BlockConfig.mma`; the backward's 1 or 2).
+    head_tile : int, optional
+        ("fma" only) The widest head-dimension tile, D and E in the kernel (a bucket: 16, 32, ... 512). A d past it is
+        swept in slices and an e past it split into column blocks; None: the dtype's largest bucket (256 for 16-bit
+        types, 512 otherwise). A narrower tile lets large head dims fit a small shared memory.
+
+    Examples
+    --------
+    What the planner chooses for float16 at d = 64 on an H100, and why a forced block cannot run on an A100:
+
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import tiling
+    >>> from cuflash.family import Shape
+    >>> plan = tiling.plan(Shape(np.float16, 64, 64), cuflash.DeviceLimits.known("H100"))
+    >>> print(plan.config, plan.name)
+    (128, 128, warps=4, stages=2, mma) cuflash::fwd_mma<__half, 128, 128, 64, 64, 4, 2>
+    >>> reasons = tiling.not_supported_reasons(Shape(np.float32, 256, 256), cuflash.BlockConfig(64, 64, warps=8),
+    ...                                        cuflash.DeviceLimits.known("A100"))
+    >>> for part in reasons[0].split("; "):
+    ...     print(part)
+    block (64, 64, warps=8) for d=256 float32 needs 214 KiB of shared memory
+    A100 allows 163 KiB per block
+    (32, 32, warps=8) fits
+    """
 
     Br: int
     Bc: int

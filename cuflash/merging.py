@@ -33,13 +33,46 @@ def combine(parts_out, parts_lse, out, lse, xp) -> None:
 
 
 def merge(outputs: Sequence[Any], lses: Sequence[Any]) -> Tuple[Any, Any]:
-    """(out, lse) of the same queries over the union of disjoint key sets, from each set's (out_s, lse_s) as
-    cuflash.attention(..., return_lse=True) gives them: outputs (*batch, n, e), lses (*batch, n), or each
-    stacked on a leading axis. Batch dimensions broadcast. out has the outputs' result dtype, lse the
-    accumulation type (float32, float64 for float64 outputs); a part with lse -inf (no visible key) counts for
-    nothing, and a row no part saw gives 0 and -inf, as attention does. Exact up to rounding, associative and
-    independent of the parts' order. 16-bit parts were each rounded to their dtype already: cast them to
-    float32 before merging to keep the merged result within attention's own accuracy."""
+    """(out, lse) of the same queries over the union of disjoint key sets, from each set's (out_s, lse_s).
+
+    Each part weighs exp(lse_s - lse): exact up to rounding, associative and independent of the parts' order. A
+    part with lse -inf (no visible key) counts for nothing, and a row no part saw gives 0 and -inf, as attention
+    does. The kernels' split keys merge with the same code.
+
+    Parameters
+    ----------
+    outputs : sequence of arrays, or array
+        Each part's out, ``(*batch, n, e)``, as ``cuflash.attention(..., return_lse=True)`` gives them, or the parts
+        stacked on a leading axis. Batch dimensions broadcast.
+    lses : sequence of arrays, or array
+        Each part's lse, ``(*batch, n)``, likewise.
+
+    Returns
+    -------
+    out : ndarray
+        In the outputs' result dtype. 16-bit parts were each rounded to their dtype already: cast them to float32
+        before merging to keep the merged result within attention's own accuracy.
+    lse : ndarray
+        In the accumulation type (float32, float64 for float64 outputs).
+
+    Raises
+    ------
+    ValueError
+        No parts, counts that differ, or shapes that do not broadcast.
+
+    Examples
+    --------
+    Attention over 256 keys from its two halves:
+
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(2)
+    >>> q, k, v = (rng.standard_normal((4, 256, 64), dtype=np.float32) for _ in range(3))
+    >>> halves = [cuflash.attention(q, k[:, s], v[:, s], return_lse=True) for s in (slice(0, 128), slice(128, 256))]
+    >>> out, lse = cuflash.merge([o for o, _ in halves], [l for _, l in halves])
+    >>> bool(np.allclose(out, cuflash.attention(q, k, v), atol=1e-5))
+    True
+    """
     xp = array_module(outputs, lses)
     outputs = [xp.asarray(x) for x in outputs]  # a list of parts, or one array with the parts on axis 0
     lses = [xp.asarray(x) for x in lses]

@@ -33,7 +33,24 @@ _IF_HINT = ("Python's if, and, or, not, min() and max() need True or False while
 
 
 class TraceError(TypeError):
-    """A mod does something that cannot be traced into an expression (the message names it and the fix)."""
+    """A mod does something that cannot be traced into an expression (the message names it and the fix).
+
+    A ``TypeError``: Python's ``if``, ``and``, ``or``, ``not``, ``min``, ``max`` on an index ("use np.where or
+    & | ~"), an unsupported call (``np.sort``), a float index, an array made inside the function.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> q = k = v = np.ones((1, 8, 4))
+    >>> def branching(b, i, j):
+    ...     return True if i >= j else False
+    >>> try:
+    ...     cuflash.attention(q, k, v, mask_mod=branching)
+    ... except cuflash.mods.TraceError as error:
+    ...     print(type(error).__name__, isinstance(error, TypeError))
+    TraceError True
+    """
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -575,10 +592,32 @@ def trace(fn, kind: str, nbatch: int, name: Optional[str] = None, groups: Option
 
 
 def cuda_source(score_mod=None, mask_mod=None, *, nbatch: int = 2, sinks: bool = False) -> str:
-    """The CUDA the cupy and simt backends compile into their kernels for these mods (either may be None), for
-    reading: a struct of device functions (score, its derivative with respect to the score, mask) over nbatch
-    batch axes (2 for (B, H, n, d) inputs), whose captured arrays arrive as tables; sinks: whether the forward's
-    rows start from sinks=."""
+    """The CUDA the cupy and simt backends compile into their kernels for these mods, for reading.
+
+    A struct of device functions (score, its derivative with respect to the score, mask) over nbatch batch axes,
+    whose captured arrays arrive as tables.
+
+    Parameters
+    ----------
+    score_mod, mask_mod : callable, optional
+        Either may be None.
+    nbatch : int, optional
+        Batch axes (2 for ``(B, H, n, d)`` inputs).
+    sinks : bool, optional
+        Whether the forward's rows start from ``sinks=``.
+
+    Returns
+    -------
+    str
+        CUDA C++.
+
+    Examples
+    --------
+    >>> from cuflash import mods
+    >>> source = mods.cuda_source(mods.softcap(30.0))
+    >>> print(source[source.index("// score_mod"):].splitlines()[0])
+    // score_mod: multiply(0x1.e000000000000p+4, tanh(true_divide(score, 0x1.e000000000000p+4)))
+    """
     from .kernels import mods as kernel_mods
     score = None if score_mod is None else trace(score_mod, "score", nbatch)
     mask = None if mask_mod is None else trace(mask_mod, "mask", nbatch)
@@ -891,9 +930,30 @@ def _trailing(array, batch):
 
 
 def alibi(slopes, offset: int = 0):
-    """ALiBi (Press et al.): score - slopes[h] * |i + offset - j|, slopes of shape (H,) or (B, H) (the trailing
-    batch axes). offset = m - n aligns it bottom-right, as FlashAttention's alibi_slopes do; for causal attention
-    it differs from slopes[h] * (j - i) by a constant per row, which the softmax cancels."""
+    """ALiBi (Press et al.): ``score - slopes[h] * |i + offset - j|``, as a score_mod.
+
+    Parameters
+    ----------
+    slopes : array_like
+        ``(H,)`` or ``(B, H)`` (the trailing batch axes); `alibi_slopes` gives the paper's.
+    offset : int, optional
+        ``m - n`` aligns it bottom-right, as FlashAttention's alibi_slopes do; for causal attention it differs from
+        ``slopes[h] * (j - i)`` by a constant per row, which the softmax cancels.
+
+    Returns
+    -------
+    callable
+        ``score_mod(score, *idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> out = cuflash.attention(q, k, v, causal=True, score_mod=mods.alibi(mods.alibi_slopes(4)))
+    """
     def alibi_mod(score, *idx):
         batch, i, j = _split(idx)
         distance = np.abs(i - j) if offset == 0 else np.abs(i + offset - j)
@@ -902,8 +962,25 @@ def alibi(slopes, offset: int = 0):
 
 
 def alibi_slopes(heads: int) -> np.ndarray:
-    """The ALiBi paper's slopes for `heads` heads: 2^(-8 h / heads) for h = 1 ... heads (for a power of two; other
-    counts interleave the next power's, as the paper's code does), float64."""
+    """The ALiBi paper's slopes for `heads` heads: ``2^(-8 h / heads)`` for h = 1 ... heads.
+
+    For a power of two; other counts interleave the next power's, as the paper's code does.
+
+    Parameters
+    ----------
+    heads : int
+
+    Returns
+    -------
+    ndarray
+        ``(heads,)`` float64.
+
+    Examples
+    --------
+    >>> from cuflash import mods
+    >>> mods.alibi_slopes(4)
+    array([0.25      , 0.0625    , 0.015625  , 0.00390625])
+    """
     def powers(count):
         start = 2.0 ** (-8.0 / count)
         return [start ** (h + 1) for h in range(count)]
@@ -913,7 +990,26 @@ def alibi_slopes(heads: int) -> np.ndarray:
 
 
 def softcap(cap: float):
-    """Logit soft-capping (Gemma 2, Grok): cap * tanh(score / cap)."""
+    """Logit soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``, as a score_mod.
+
+    Parameters
+    ----------
+    cap : float
+
+    Returns
+    -------
+    callable
+        ``score_mod(score, *idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> out = cuflash.attention(q, k, v, score_mod=mods.softcap(30.0))
+    """
     if not (isinstance(cap, numbers.Real) and cap > 0 and math.isfinite(cap)):
         raise ValueError(f"softcap: cap must be a positive finite number, got {cap!r}")
 
@@ -923,9 +1019,31 @@ def softcap(cap: float):
 
 
 def documents(ids, kv_ids=None):
-    """Packed sequences: query i sees key j only when both belong to the same document. ids: an integer array
-    of (*lead, n) document ids per query token (lead: leading batch axes, e.g. (B,) for (B, H, n, d) inputs, or
-    none); kv_ids the keys' ((*lead, m)), by default ids (self-attention)."""
+    """Packed sequences: query i sees key j only when both belong to the same document, as a mask_mod.
+
+    Parameters
+    ----------
+    ids : array_like of int
+        ``(*lead, n)`` document ids per query token (lead: leading batch axes, e.g. ``(B,)`` for ``(B, H, n, d)``
+        inputs, or none).
+    kv_ids : array_like of int, optional
+        The keys' ``(*lead, m)``, by default ids (self-attention).
+
+    Returns
+    -------
+    callable
+        ``mask_mod(*idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> ids = np.repeat(np.arange(4), 64)[None].repeat(2, 0)       # (B, n): 4 documents of 64 tokens
+    >>> out = cuflash.attention(q, k, v, causal=True, mask_mod=mods.documents(ids))
+    """
     kv = ids if kv_ids is None else kv_ids
 
     def documents_mask(*idx):
@@ -935,8 +1053,27 @@ def documents(ids, kv_ids=None):
 
 
 def prefix_lm(prefix_length):
-    """Prefix-LM: every query sees the first prefix_length keys, and the others causally (j <= i). prefix_length:
-    an int, or an integer array of one per leading batch item ((B,) for (B, H, n, d) inputs)."""
+    """Prefix-LM: every query sees the first prefix_length keys, and the others causally (j <= i), as a mask_mod.
+
+    Parameters
+    ----------
+    prefix_length : int or array_like of int
+        An int, or one per leading batch item (``(B,)`` for ``(B, H, n, d)`` inputs).
+
+    Returns
+    -------
+    callable
+        ``mask_mod(*idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> out = cuflash.attention(q, k, v, mask_mod=mods.prefix_lm(np.array([16, 100])))
+    """
     def prefix_lm_mask(*idx):
         batch, i, j = _split(idx)
         if isinstance(prefix_length, Table) or is_array(prefix_length):
@@ -946,10 +1083,33 @@ def prefix_lm(prefix_length):
 
 
 def relative_bias(table, buckets):
-    """A learned relative-position bias (T5, Swin): score + table[..., bucket], table of shape (buckets,) or
-    (*trailing batch axes, buckets). buckets: a function bucket(i, j) -> integer expression (T5's log buckets are
-    one), or an integer array of 2 L - 1 bucket numbers for relative distances j - i = -(L - 1) ... L - 1 (farther
-    ones clipped to the ends)."""
+    """A learned relative-position bias (T5, Swin): ``score + table[..., bucket]``, as a score_mod.
+
+    Parameters
+    ----------
+    table : array_like
+        ``(buckets,)`` or ``(*trailing batch axes, buckets)``.
+    buckets : callable or array_like of int
+        A function ``bucket(i, j) -> integer expression`` (T5's log buckets are one), or an integer array of
+        ``2 L - 1`` bucket numbers for relative distances ``j - i = -(L - 1) ... L - 1`` (farther ones clipped to the
+        ends).
+
+    Returns
+    -------
+    callable
+        ``score_mod(score, *idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> table = rng.standard_normal((4, 9))                          # per head, 9 buckets
+    >>> buckets = np.clip(np.arange(-255, 256), -4, 4) + 4           # distances -255 ... 255 onto 0 ... 8
+    >>> out = cuflash.attention(q, k, v, score_mod=mods.relative_bias(table, buckets))
+    """
     def relative_bias_mod(score, *idx):
         batch, i, j = _split(idx)
         if isinstance(buckets, Table) or is_array(buckets):
@@ -962,7 +1122,28 @@ def relative_bias(table, buckets):
 
 
 def and_masks(*masks):
-    """A mask_mod that sees a key where every one of masks does."""
+    """A mask_mod that sees a key where every one of masks does.
+
+    Parameters
+    ----------
+    *masks : callable
+        mask_mods of the same indices.
+
+    Returns
+    -------
+    callable
+        ``mask_mod(*idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> local = mods.and_masks(mods.causal, mods.sliding_window(64))
+    >>> out = cuflash.attention(q, k, v, mask_mod=local)
+    """
     if not masks:
         raise ValueError("and_masks: give at least one mask_mod")
 
@@ -975,7 +1156,29 @@ def and_masks(*masks):
 
 
 def or_masks(*masks):
-    """A mask_mod that sees a key where any one of masks does."""
+    """A mask_mod that sees a key where any one of masks does.
+
+    Parameters
+    ----------
+    *masks : callable
+        mask_mods of the same indices.
+
+    Returns
+    -------
+    callable
+        ``mask_mod(*idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> def first_keys(b, h, i, j):                                   # global tokens: the first 4 keys
+    ...     return j < 4
+    >>> out = cuflash.attention(q, k, v, mask_mod=mods.or_masks(mods.sliding_window(32, 32), first_keys))
+    """
     if not masks:
         raise ValueError("or_masks: give at least one mask_mod")
 
@@ -988,12 +1191,55 @@ def or_masks(*masks):
 
 
 def causal(*idx):
-    """The causal mask top-left aligned (j <= i), as a mask_mod (causal= aligns it bottom-right)."""
+    """The causal mask top-left aligned (j <= i), as a mask_mod (``causal=`` aligns it bottom-right).
+
+    Parameters
+    ----------
+    *idx : int
+        The batch indices, then i and j.
+
+    Returns
+    -------
+    bool
+        Whether query i sees key j.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> out = cuflash.attention(q, k, v, mask_mod=mods.causal)
+    >>> bool(np.allclose(out, cuflash.attention(q, k, v, causal=True), atol=1e-6))       # n == m: the same
+    True
+    """
     return idx[-1] <= idx[-2]
 
 
 def sliding_window(left: int, right: int = 0):
-    """A band i - left <= j <= i + right as a mask_mod (window= is the same, with its tiles skipped)."""
+    """A band ``i - left <= j <= i + right`` as a mask_mod (``window=`` is the same, with its tiles skipped).
+
+    Parameters
+    ----------
+    left, right : int
+
+    Returns
+    -------
+    callable
+        ``mask_mod(*idx, i, j)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((2, 4, 256, 32), dtype=np.float32) for _ in range(3))   # (B, H, n, d)
+    >>> out = cuflash.attention(q, k, v, mask_mod=mods.sliding_window(32))
+    >>> bool(np.allclose(out, cuflash.attention(q, k, v, window=(32, 0)), atol=1e-6))
+    True
+    """
     def window_mask(*idx):
         i, j = idx[-2], idx[-1]
         return (j >= i - left) & (j <= i + right)

@@ -29,19 +29,83 @@ def attention_paged(q, k_cache, v_cache, block_table, cache_seqlens, /, *, k_new
                     precision: Optional[str] = None):
     """Attention of new queries over keys and values kept in pages (a paged KV cache, as in serving).
 
-    q: (B, n, H, d). k_cache: (num_pages, page_size, Hk, d), v_cache: (num_pages, page_size, Hk, e), of q's dtype,
-    H a multiple of Hk (query head h reads key head h // (H // Hk)). block_table: (B, max_pages) integer page ids,
-    sequence b's key j in row j % page_size of page block_table[b, j // page_size] (pages in any order; entries
-    past a sequence's keys are never read). cache_seqlens: (B,) integers (or one int), the keys already cached.
-    k_new, v_new: (B, n_new, Hk, d) and (B, n_new, Hk, e), or None: written into the caches in place at positions
-    cache_seqlens[b], ..., cache_seqlens[b] + n_new - 1 before attending (cache_seqlens is not changed: add n_new
-    to it for the next call). Sequence b's queries then see cache_seqlens[b] + n_new keys.
-    causal, window: as attention's, aligned bottom-right with each sequence's keys. score_mod(score, b, h, i, j),
-    mask_mod(b, h, i, j): as attention's, i the new query's index and j the key's position in its sequence.
-    sinks: one logit per query head, (H,) or (B, H). num_splits: split each sequence's keys into this many parts
-    on the GPU backends (None: the planner's choice from the GPU's SM count; the numpy backend ignores it).
-    out: (B, n, H, e), as attention's out=. Returns out, or (out, lse) with return_lse=True, lse (B, n, H) in the
-    accumulation type (what cuflash.merge takes). scale, backend, block, precision: as attention's."""
+    A generation server keeps keys and values in fixed-size pages shared by every sequence, not in one contiguous
+    array each (FlashAttention's ``flash_attn_with_kvcache``, vLLM). Forward only: it serves, it does not train.
+
+    Parameters
+    ----------
+    q : array_like
+        ``(B, n, H, d)``.
+    k_cache, v_cache : ndarray
+        ``(num_pages, page_size, Hk, d)`` and ``(num_pages, page_size, Hk, e)``, of q's dtype (a cache is never cast,
+        which would copy it), H a multiple of Hk (query head h reads key head ``h // (H // Hk)``); any page size of 1
+        or more.
+    block_table : array_like of int
+        ``(B, max_pages)`` page ids: sequence b's key j is row ``j % page_size`` of page
+        ``block_table[b, j // page_size]`` (pages in any order, shared pools; entries past a sequence's keys are
+        never read, so vLLM's -1 padding is fine).
+    cache_seqlens : int or array_like of int
+        ``(B,)`` (or one int): the keys already cached.
+    k_new, v_new : array_like, optional
+        ``(B, n_new, Hk, d)`` and ``(B, n_new, Hk, e)``: written into the caches in place at positions
+        ``cache_seqlens[b]`` on, before attending; sequence b's queries then see ``cache_seqlens[b] + n_new`` keys.
+        cache_seqlens is not changed: add n_new to it for the next call.
+    causal, window
+        As `cuflash.attention`'s, aligned bottom-right with each sequence's keys (the new queries are its last
+        positions).
+    score_mod, mask_mod : callable, optional
+        ``score_mod(score, b, h, i, j)``, ``mask_mod(b, h, i, j)``: as attention's, i the new query's index and j the
+        key's position in its sequence.
+    sinks : array_like, optional
+        One logit per query head, ``(H,)`` or ``(B, H)``.
+    num_splits : int, optional
+        Split each sequence's keys into this many parts on the GPU backends (None: the planner's choice from the
+        GPU's SM count; the numpy backend ignores it).
+    out : ndarray, optional
+        ``(B, n, H, e)``, as attention's ``out=``.
+    return_lse : bool, optional
+        Also return lse.
+    scale, backend, block, precision
+        As attention's.
+
+    Returns
+    -------
+    out : ndarray
+        ``(B, n, H, e)``.
+    lse : ndarray
+        ``(B, n, H)`` in the accumulation type, with ``return_lse=True`` (what `cuflash.merge` takes, to join another
+        key set's).
+
+    Raises
+    ------
+    ValueError
+        A page id the sequence's keys (cached or new) use that is not a page of the caches, ``cache_seqlens + n_new``
+        past the table's pages, a negative length, caches of another shape, new rows of the wrong shape, a read-only
+        cache to append to; checked before anything is written (on a GPU one small reduction read back), so a page id
+        never reads or writes outside the cache.
+    TypeError
+        Caches of another dtype than q's, a table that is not integers.
+
+    Examples
+    --------
+    A decoding loop, one token per step (the cache holds 40 pages of 16 rows, shared by the batch):
+
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(5)
+    >>> batch, heads, kv_heads, d, page = 2, 8, 2, 64, 16
+    >>> k_cache = np.zeros((40, page, kv_heads, d), np.float32)
+    >>> v_cache = np.zeros((40, page, kv_heads, d), np.float32)
+    >>> block_table = rng.permutation(40).reshape(batch, 20)    # each sequence's pages, in any order
+    >>> lengths = np.array([0, 0])
+    >>> for step in range(3):
+    ...     q = rng.standard_normal((batch, 1, heads, d), dtype=np.float32)
+    ...     k_new, v_new = (rng.standard_normal((batch, 1, kv_heads, d), dtype=np.float32) for _ in range(2))
+    ...     out = cuflash.attention_paged(q, k_cache, v_cache, block_table, lengths, k_new=k_new, v_new=v_new)
+    ...     lengths += 1                                         # the new rows are in the cache now
+    >>> out.shape
+    (2, 1, 8, 64)
+    """
     xp = api.array_module(q, k_cache, v_cache, None, None, None, sinks=sinks)
     with api.device_of(xp, (q, k_cache, v_cache)):
         return_lse = api.check_flag(return_lse, "return_lse")

@@ -51,7 +51,40 @@ def family_of(config: BlockConfig, kind: str = "forward") -> Family:
 
 def not_supported_reasons(shape: Shape, config: BlockConfig, device: DeviceLimits, *,
                           suggest: bool = True, kind: str = "forward") -> List[str]:
-    """Every reason `config` cannot run `shape` on `device`, as sentences (empty: supported)."""
+    """Every reason `config` cannot run `shape` on `device`, as sentences (empty: supported).
+
+    Each sentence says what was asked, what the limit is and what would work.
+
+    Parameters
+    ----------
+    shape : Shape
+        What the plan depends on.
+    config : BlockConfig
+        The configuration asked for.
+    device : DeviceLimits
+        The GPU, present (`DeviceLimits.of`) or not (`DeviceLimits.known`).
+    suggest : bool, optional
+        Whether a sentence names a configuration that fits.
+    kind : {"forward", "dq", "dkdv"}, optional
+        The forward, or one half of the backward.
+
+    Returns
+    -------
+    list of str
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import tiling
+    >>> h100 = cuflash.DeviceLimits.known("H100")
+    >>> tiling.not_supported_reasons(tiling.Shape(np.float16, 64, 64), cuflash.BlockConfig.mma(128, 128), h100)
+    []
+    >>> reasons = tiling.not_supported_reasons(tiling.Shape(np.float16, 64, 64), cuflash.BlockConfig(128, 128, warps=3),
+    ...                                        h100)
+    >>> print(*reasons)
+    warps=3 is not supported: the CUDA-core kernel runs 1, 2, 4 or 8 warps per block; (64, 64, stages=2) fits
+    """
     if config.variant not in VARIANTS_OF[kind]:
         return [unknown_variant(config.variant, kind)]
     return VARIANTS_OF[kind][config.variant].not_supported_reasons(shape, config, device, suggest=suggest)
@@ -173,12 +206,41 @@ def resolve(block, shape: Shape, device: DeviceLimits, kind: str = "forward") ->
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything a launch needs, decided once. shape: what it was planned for (the launch checks its problem
-    against it). name: the name expression of the instantiation (the split one when splits > 1), compiled from
-    kernels/`source`. tiles: blocks along the grid's x axis per key split, one per query tile or, for a family
-    tiled along the keys, per key tile (0: n or m unknown). splits: key splits
-    (1: none), each of split_keys keys. column_blocks: the [e0, e1) output columns of each launch. mods: the CUDA
-    of the call's mods (kernels/mods.KernelMods, compiled into the kernel: with_mods), or None."""
+    """Everything a launch needs, decided once by `plan`; the launch code executes it and never plans.
+
+    Attributes
+    ----------
+    shape : Shape
+        What it was planned for (the launch checks its problem against it).
+    config : BlockConfig
+        The kernel's tiles.
+    family : Family
+        The kernel's description.
+    name : str
+        The name expression of the instantiation (the split one when splits > 1), compiled from kernels/`source`.
+    block : tuple of int
+        Threads per block.
+    shared_mem : int
+        Bytes of shared memory per block.
+    tiles : int
+        Blocks along the grid's x axis per key split, one per query tile or, for a family tiled along the keys, per
+        key tile (0: n or m unknown).
+    splits, split_keys : int
+        Key splits (1: none), each of split_keys keys.
+    column_blocks : tuple of (int, int)
+        The [e0, e1) output columns of each launch.
+    mods
+        The CUDA of the call's mods (kernels/mods.KernelMods, compiled into the kernel: with_mods), or None.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import tiling
+    >>> p = tiling.plan(tiling.Shape(np.float16, 64, 64, n=16, m=65536), cuflash.DeviceLimits.known("H100"))
+    >>> print(p.config, p.splits > 1)              # decoding: few queries over many keys split the keys
+    (16, 64, warps=8, stages=2) True
+    """
 
     shape: Shape
     config: BlockConfig
@@ -224,8 +286,42 @@ def split_keys(m: int, splits: int, Bc: int) -> Tuple[int, int]:
 
 
 def plan(shape: Shape, device: DeviceLimits, block=None, kind: str = "forward") -> Plan:
-    """The plan for shape on device: the configuration resolve(block, ...) gives, and all that follows from it.
-    kind: "forward", or one half of the backward ("dq", "dkdv"; backward_plans plans both). Kept per arguments."""
+    """The plan for shape on device: the configuration the heuristic (or ``block``) gives, and all that follows.
+
+    Kept per arguments: a loop of calls plans once.
+
+    Parameters
+    ----------
+    shape : Shape
+        What the plan depends on.
+    device : DeviceLimits
+        The GPU, present or not.
+    block : tuple of (int, int), str or BlockConfig, optional
+        As `cuflash.attention`'s ``block=``; None: the heuristic's choice.
+    kind : {"forward", "dq", "dkdv"}, optional
+        The forward, or one half of the backward (`backward_plans` plans both).
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    ValueError
+        A forced block that cannot run, with every reason.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import tiling
+    >>> p = tiling.plan(tiling.Shape(np.float32, 128, 128), cuflash.DeviceLimits.known("A100"))
+    >>> print(p.config, p.shared_mem // 1024, "KiB")  # float32 on tensor cores as 3xTF32
+    (64, 16, warps=4, stages=2, mma) 137 KiB
+    >>> fma = tiling.Shape(np.float32, 128, 128, precision="fma")
+    >>> print(tiling.plan(fma, cuflash.DeviceLimits.known("A100")).config)     # CUDA cores
+    (64, 64, warps=8)
+    """
     if block is not None and not isinstance(block, (str, BlockConfig)):
         block = block_pair(block)  # (Br, Bc) as ints: a key, whatever sequence held them
     return _plan(shape, device, block, kind)
@@ -262,9 +358,36 @@ def _backward_plans(shape: Shape, device: DeviceLimits) -> Optional[Tuple[Plan, 
 
 
 def backward_plans(shape: Shape, device: DeviceLimits, block=None) -> Optional[Tuple[Plan, ...]]:
-    """The backward kernels' plans (dK and dV, then dQ), each kind planned by the heuristic (or with `block`
-    forced, validated for both); None when block is None and no backward kernel serves the shape here (head dims
-    past the kernels', or too little shared memory): the blocked backward serves it."""
+    """The backward kernels' plans (dK and dV, then dQ), each kind planned by the heuristic.
+
+    Parameters
+    ----------
+    shape : Shape
+        What the plans depend on.
+    device : DeviceLimits
+        The GPU, present or not.
+    block : tuple of (int, int), str or BlockConfig, optional
+        Forced, validated for both kinds.
+
+    Returns
+    -------
+    tuple of Plan or None
+        None when block is None and no backward kernel serves the shape here (head dims past the kernels', or too
+        little shared memory): the blocked backward serves it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> from cuflash import tiling
+    >>> h100 = cuflash.DeviceLimits.known("H100")
+    >>> for p in tiling.backward_plans(tiling.Shape(np.float16, 64, 64), h100):
+    ...     print(p.name)
+    cuflash::bwd_mma_dkdv<__half, 32, 64, 64, 64, 4, 2>
+    cuflash::bwd_mma_dq<__half, 64, 64, 64, 64, 4, 2>
+    >>> print(tiling.backward_plans(tiling.Shape(np.float16, 512, 512), h100))     # past the kernels' head dims
+    None
+    """
     if block is None:
         return _backward_plans(shape, device)
     return tuple(plan(shape, device, block, kind) for kind in BACKWARD_KINDS)

@@ -43,23 +43,63 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
               block_mask: Optional[BlockMask] = None, sinks: Optional[torch.Tensor] = None,
               dropout_p: float = 0.0, seed: Optional[int] = None, return_lse: bool = False,
               precision: Optional[str] = None, enable_gqa: bool = False):
-    """cuflash.attention with the same keywords, on torch tensors (all on one device); differentiable in q, k,
-    v, bias and sinks (the backward runs with the same precision), and in the floating tensors score_mod closes
-    over that require grad (learnable ALiBi slopes, a relative-position table: attention_backward's
-    score_mod_grads). score_mod and mask_mod may be written with torch's operations over the tensors they close
-    over (a mod written for flex_attention works unchanged); such calls run as an autograd function rather than
-    the custom operators (a function is no operator argument). Returns out, or (out, lse) with return_lse=True.
+    """`cuflash.attention` with the same keywords, on torch tensors (all on one device); differentiable.
 
-    dropout_p, seed: attention dropout as cuflash.attention's; seed=None draws the seed from torch's default
-    generator (torch.manual_seed makes a step reproducible), and the backward regenerates the same keep mask.
+    Differentiable in q, k, v, bias and sinks (the backward runs with the same precision), and in the floating
+    tensors score_mod closes over that require grad (learnable ALiBi slopes, a relative-position table:
+    attention_backward's score_mod_grads). CPU tensors run on the numpy backend as NumPy views of the tensors' memory
+    (bfloat16 included), CUDA tensors on the cupy backend by DLPack on torch's current stream; results and gradients
+    are tensors on the inputs' device, each gradient in its input's dtype. The forward and the backward are
+    ``torch.library`` custom operators (``cuflash::attention_forward``, ``cuflash::attention_backward``) with
+    fake-tensor rules, so ``torch.compile`` traces them as opaque nodes. score_mod and mask_mod may be written with
+    torch's operations over the tensors they close over (a mod written for flex_attention works unchanged); such
+    calls run as an autograd function rather than the custom operators (a function is no operator argument).
 
-    enable_gqa: grouped-query attention as SDPA's enable_gqa: q (..., H, n, d) against k (..., Hk, m, d) and v
-    (..., Hv, m, e), Hk and Hv dividing H, query head h reading key head h // (H // Hk) and value head
-    h // (H // Hv). Done by views (q split to (..., Hk, H // Hk, n, d), k and v given a size-1 group axis), so k
-    and v are never repeated and their gradients are the sums over their groups. mask, bias and sinks are
-    broadcastable to the (..., H, n, m) and (..., H) of the query heads, and mods see (..., h, i, j) as without
-    it; block_mask is refused (make one for the grouped shapes and reshape yourself). Without it, k and v must
-    have H heads or one head: (..., 4, n, d) against (..., 2, m, d) is a ValueError that says so."""
+    Parameters
+    ----------
+    q, k, v : torch.Tensor
+        As `cuflash.attention`'s operands.
+    scale, causal, window, mask, bias, score_mod, mask_mod, block_mask, sinks, precision
+        As `cuflash.attention`'s (mask, bias and sinks as tensors).
+    dropout_p, seed
+        Attention dropout as cuflash.attention's; ``seed=None`` draws the seed from torch's default generator
+        (``torch.manual_seed`` makes a step reproducible), and the backward regenerates the same keep mask.
+    return_lse : bool, optional
+        Also return lse (not differentiable).
+    enable_gqa : bool, optional
+        Grouped-query attention as SDPA's enable_gqa: q ``(..., H, n, d)`` against k ``(..., Hk, m, d)`` and v
+        ``(..., Hv, m, e)``, Hk and Hv dividing H, query head h reading key head ``h // (H // Hk)`` and value head
+        ``h // (H // Hv)``. Done by views (q split to ``(..., Hk, H // Hk, n, d)``, k and v given a size-1 group
+        axis), so k and v are never repeated and their gradients are the sums over their groups. mask, bias and sinks
+        are broadcastable to the ``(..., H, n, m)`` and ``(..., H)`` of the query heads, and mods see
+        ``(..., h, i, j)`` as without it; block_mask is refused (make one for the grouped shapes and reshape
+        yourself).
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``(..., n, e)``.
+    lse : torch.Tensor
+        With ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        As `cuflash.attention`'s; without enable_gqa, k and v must have H heads or one head: ``(..., 4, n, d)``
+        against ``(..., 2, m, d)`` is a ValueError that says both ways to ask.
+    TypeError
+        As `cuflash.attention`'s.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from cuflash.torch import attention
+    >>> q, k, v = (torch.randn(2, 4, 64, 32, requires_grad=True) for _ in range(3))
+    >>> out = attention(q, k, v, causal=True)
+    >>> out.square().mean().backward()                      # q.grad, k.grad, v.grad
+    >>> q.grad.shape
+    torch.Size([2, 4, 64, 32])
+    """
     groups = Groups.of(q, k, v) if enable_gqa else None
     if groups is None:
         check_heads(q, k, v)
@@ -172,13 +212,57 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      score_mod: Optional[Callable] = None, mask_mod: Optional[Callable] = None,
                      sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[int] = None,
                      return_lse: bool = False, precision: Optional[str] = None):
-    """cuflash.attention_varlen on torch tensors (FlashAttention's flash_attn_varlen_func layout): q (total_q, H,
-    d), k (total_k, Hk, d), v (total_k, Hk, e); cu_seqlens_q and cu_seqlens_k integer tensors (or sequences) of
-    sequences + 1 offsets. Differentiable in q, k, v and sinks (the backward is attention_varlen_backward, with
-    the same precision); lse is not. score_mod and mask_mod see (s, h, i, j) and may be written with torch's
-    operations; a tensor a score_mod closes over gets no gradient here (refused if it requires one). dropout_p,
-    seed: as attention's (a seed drawn from torch's generator when None). Returns out (total_q, H, e), or (out,
-    lse) with return_lse=True, lse (total_q, H)."""
+    """`cuflash.attention_varlen` on torch tensors (FlashAttention's flash_attn_varlen_func layout); differentiable.
+
+    Differentiable in q, k, v and sinks through ``torch.library`` custom operators
+    (``cuflash::attention_varlen_forward``, ``cuflash::attention_varlen_backward``) that ``torch.compile`` traces
+    (the backward is attention_varlen_backward, with the same precision); with mods or sinks, an autograd
+    function. lse is not differentiable.
+
+    Parameters
+    ----------
+    q, k, v : torch.Tensor
+        ``(total_q, H, d)``, ``(total_k, Hk, d)``, ``(total_k, Hk, e)``.
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor or sequence of int
+        Sequences + 1 offsets (int32 or int64 tensors, or lists).
+    max_seqlen_q, max_seqlen_k, scale, causal, window, precision
+        As `cuflash.attention_varlen`'s.
+    score_mod, mask_mod : callable, optional
+        See ``(s, h, i, j)`` and may be written with torch's operations; a tensor a score_mod closes over gets no
+        gradient here (refused if it requires one; `cuflash.torch.attention` gives those).
+    sinks : torch.Tensor, optional
+        ``(H,)`` or ``(sequences, H)``.
+    dropout_p, seed
+        As `attention`'s (a seed drawn from torch's generator when None).
+    return_lse : bool, optional
+        Also return lse ``(total_q, H)``.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``(total_q, H, e)``.
+    lse : torch.Tensor
+        ``(total_q, H)``, with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As `cuflash.attention_varlen`'s.
+
+    Examples
+    --------
+    A packed training step of four documents:
+
+    >>> import torch
+    >>> import cuflash.torch
+    >>> cu = torch.tensor([0, 7, 19, 20, 29], dtype=torch.int32)
+    >>> q = torch.randn(29, 8, 64, requires_grad=True)             # (total, heads, d)
+    >>> k, v = (torch.randn(29, 2, 64, requires_grad=True) for _ in range(2))   # 2 key/value heads
+    >>> out = cuflash.torch.attention_varlen(q, k, v, cu, cu, causal=True)
+    >>> out.square().mean().backward()
+    >>> k.grad.shape
+    torch.Size([29, 2, 64])
+    """
     left, right = (None, None) if window is None else window
     scale = None if scale is None else float(scale)
     precision = api.check_precision(precision, None, NAME)
@@ -327,27 +411,69 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, *, scale: Optional[float] = None,
                                  enable_gqa: bool = False) -> torch.Tensor:
-    """torch.nn.functional.scaled_dot_product_attention, computed by cuflash (never holding the L x S scores):
-    the same arguments, results, gradients and errors, so that replacing one with the other changes only speed
-    and memory.
+    """``torch.nn.functional.scaled_dot_product_attention``, computed by cuflash (never holding the L x S scores).
 
-    query (..., L, E), key (..., S, E), value (..., S, Ev), their leading dims broadcast; attn_mask boolean (True
-    = attend) or floating (float32 or the query's dtype: added to the scaled scores, differentiable),
-    broadcastable to the attention weights (..., L, S) without enlarging them; is_causal: query i sees keys
-    j <= i, top-left aligned as SDPA's even when L != S (cuflash's window=(None, L - S)); scale: default
-    1/sqrt(E); enable_gqa: query (..., Hq, L, E) against key and value heads dividing Hq, query head h reading key
-    head h // (Hq // Hk), by views (k and v are never repeated). Returns (..., L, Ev) in the query's dtype.
+    The same arguments, results, gradients and errors, so that replacing one with the other changes only speed and
+    memory. A row that sees no key (a boolean mask hiding all of it, or a float mask of -inf) gives 0 and zero
+    gradients, as SDPA's does. It differs only where SDPA's behaviour is an accident: a 0-d or 1-d attn_mask
+    broadcasts here (SDPA raises IndexError), as does a mask broadcast over value's leading dims (SDPA's adds the mask
+    to query's and key's broadcast only); a non-finite scale is a ValueError, and so is enable_gqa with key and value
+    heads of which neither divides the other (no view pairs them with the query heads).
 
-    A row that sees no key (a boolean mask hiding all of it, or a float mask of -inf) gives 0 and zero
-    gradients, as SDPA's does. Errors are SDPA's RuntimeErrors (dtypes that differ, a mask of another dtype,
-    shapes that do not broadcast, heads that do not divide); is_causal with attn_mask is one, as SDPA documents
-    and its math backend raises (its fused CPU kernel applies both instead). dropout_p drops attention weights as
-    SDPA's does (whenever it is above 0, kept weights scaled by 1 / (1 - p)), by cuflash's counter-based rule
-    (cuflash.dropout_mask), its seed drawn from torch's generator: the kept elements differ from SDPA's own
-    generator's, their law does not. Differences: a 0-d or 1-d attn_mask broadcasts
-    here (SDPA raises IndexError), as does a mask broadcast over value's leading dims (SDPA's adds the mask to
-    query's and key's broadcast only); a non-finite scale is a ValueError, and so is enable_gqa with key and
-    value heads of which neither divides the other (no view pairs them with the query heads)."""
+    Parameters
+    ----------
+    query, key, value : torch.Tensor
+        ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)``, their leading dims broadcast.
+    attn_mask : torch.Tensor, optional
+        Boolean (True = attend) or floating (float32 or the query's dtype: added to the scaled scores,
+        differentiable), broadcastable to the attention weights ``(..., L, S)`` without enlarging them.
+    dropout_p : float, optional
+        Drops attention weights as SDPA's does (whenever it is above 0, kept weights scaled by ``1 / (1 - p)``), by
+        cuflash's counter-based rule (`cuflash.dropout_mask`), its seed drawn from torch's generator: the kept
+        elements differ from SDPA's own generator's, their law does not.
+    is_causal : bool, optional
+        Query i sees keys ``j <= i``, top-left aligned as SDPA's even when L != S (cuflash's
+        ``window=(None, L - S)``).
+    scale : float, optional
+        Default ``1/sqrt(E)``.
+    enable_gqa : bool, optional
+        Query ``(..., Hq, L, E)`` against key and value heads dividing Hq, query head h reading key head
+        ``h // (Hq // Hk)``, by views (k and v are never repeated).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(..., L, Ev)`` in the query's dtype.
+
+    Raises
+    ------
+    RuntimeError
+        SDPA's: dtypes that differ, a mask of another dtype, shapes that do not broadcast, heads that do not divide;
+        is_causal with attn_mask, as SDPA documents and its math backend raises (its fused CPU kernel applies both
+        instead).
+    ValueError
+        A non-finite scale; enable_gqa with key and value heads of which neither divides the other.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> import cuflash.torch
+    >>> q = torch.randn(2, 8, 50, 32, requires_grad=True)             # 8 query heads, 50 queries
+    >>> k, v = (torch.randn(2, 2, 120, 32, requires_grad=True) for _ in range(2))   # 2 key/value heads
+    >>> keep = torch.rand(2, 1, 50, 120) < 0.9                         # True = attend
+    >>> out = cuflash.torch.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    >>> torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True),
+    ...                            rtol=1e-4, atol=1e-5)
+    >>> out.square().mean().backward()                                 # q.grad, k.grad (2 heads), v.grad
+
+    A model's attention runs through it where the model's call is patched, here with ``unittest.mock``:
+
+    >>> from unittest import mock
+    >>> layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True).eval()
+    >>> with mock.patch.object(F, "scaled_dot_product_attention", cuflash.torch.scaled_dot_product_attention):
+    ...     y = layer(torch.randn(2, 10, 32))
+    """
     check_sdpa(query, key, value, attn_mask, is_causal, enable_gqa)
     floating = attn_mask is not None and attn_mask.dtype != torch.bool
     window = (None, query.shape[-2] - key.shape[-2]) if is_causal else None  # top-left: j <= i
@@ -419,11 +545,45 @@ def sdpa_batch(query, key, value, enable_gqa) -> Tuple[int, ...]:
 
 
 def register_with_transformers(name: str = "cuattention") -> str:
-    """Make cuflash an attention implementation of Hugging Face transformers under `name`: then
-    AutoModel.from_pretrained(..., attn_implementation=name) runs its attention through cuflash. Its mask
+    """Make cuflash an attention implementation of Hugging Face transformers under `name`.
+
+    Then ``AutoModel.from_pretrained(..., attn_implementation=name)`` runs its attention through cuflash. Its mask
     interface builds no mask: it hands transformers' own mask function (padding, causal, sliding windows, packed
-    sequences, ...) to the attention as a mask_mod (ModMask), or None where causal alone says it. (transformers
-    takes any name containing "flash" for a FlashAttention kernel of its hub, hence not "cuflash".)"""
+    sequences, ...) to the attention as a mask_mod, or None where causal alone says it. (transformers takes any name
+    containing "flash" for a FlashAttention kernel of its hub, hence not "cuflash".)
+
+    Parameters
+    ----------
+    name : str, optional
+        Default "cuattention".
+
+    Returns
+    -------
+    str
+        The name.
+
+    Raises
+    ------
+    ValueError
+        A name containing "flash".
+
+    Examples
+    --------
+    A tiny random Llama (``from_pretrained(path, attn_implementation=name)`` does the same for a real one):
+
+    >>> import torch
+    >>> import cuflash.torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> name = cuflash.torch.register_with_transformers()
+    >>> name
+    'cuattention'
+    >>> config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                      num_attention_heads=4, num_key_value_heads=2)
+    >>> config._attn_implementation = name
+    >>> model = LlamaForCausalLM(config).eval()
+    >>> model(torch.randint(0, 64, (2, 10))).logits.shape
+    torch.Size([2, 10, 64])
+    """
     if "flash" in name:
         raise ValueError(f"{NAME}: transformers takes an attention implementation named {name!r} for a "
                          f"FlashAttention kernel of its hub; choose a name without 'flash'")
@@ -511,13 +671,57 @@ def transformers_attention(module, query, key, value, attention_mask, dropout: f
                            scaling: Optional[float] = None, is_causal: Optional[bool] = None,
                            position_bias: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
                            s_aux: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None, **kwargs):
-    """The attention function transformers calls (its "sdpa" contract): query (batch, heads, n, d), key and value
-    (batch, kv_heads, m, d) with heads a multiple of kv_heads (grouped-query attention by broadcasting, never
-    repeated); attention_mask a ModMask (transformers_mask's: the mask function as a mask_mod), boolean (True =
-    attend) or additive, or None with causal from is_causal or the module (and sliding_window as window=);
-    position_bias added to the scores; softcap as score_mod (cap tanh(s / cap), before any mask); s_aux one sink
-    per head; dropout (the module's attention dropout in training) as dropout_p, its seed from torch's generator.
-    Returns (batch, n, heads, e) and no weights."""
+    """The attention function transformers calls (its "sdpa" contract), registered by `register_with_transformers`.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention module (its ``is_causal``).
+    query : torch.Tensor
+        ``(batch, heads, n, d)``.
+    key, value : torch.Tensor
+        ``(batch, kv_heads, m, d)`` with heads a multiple of kv_heads (grouped-query attention by broadcasting, never
+        repeated).
+    attention_mask : torch.Tensor or None
+        transformers_mask's (the mask function as a mask_mod), boolean (True = attend) or additive, or None with
+        causal from is_causal or the module (and sliding_window as ``window=``).
+    dropout : float, optional
+        The module's attention dropout in training, as dropout_p, its seed from torch's generator.
+    scaling : float, optional
+        The scale.
+    is_causal : bool, optional
+        Overrides the module's.
+    position_bias : torch.Tensor, optional
+        Added to the scores.
+    softcap : float, optional
+        As score_mod (``cap * tanh(s / cap)``, before any mask).
+    s_aux : torch.Tensor, optional
+        One sink per head.
+    sliding_window : int, optional
+        Keys ``i - j < sliding_window`` under causal.
+    **kwargs
+        transformers' others; packed sequences' ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/
+        ``max_length_k`` run through `attention_varlen`.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``(batch, n, heads, e)``.
+    weights : None
+        No weights.
+
+    Examples
+    --------
+    >>> import types
+    >>> import torch
+    >>> import cuflash.torch
+    >>> query = torch.randn(2, 4, 10, 16)
+    >>> key, value = (torch.randn(2, 2, 10, 16) for _ in range(2))
+    >>> out, weights = cuflash.torch.transformers_attention(types.SimpleNamespace(is_causal=True), query, key, value,
+    ...                                                     None)
+    >>> out.shape, weights
+    (torch.Size([2, 10, 4, 16]), None)
+    """
     dropout_p = float(dropout or 0.0)  # transformers passes its module's rate in training, 0 in eval
     n, heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
     packing = packed_rows(query, key, attention_mask, position_bias, kwargs)

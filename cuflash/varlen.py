@@ -80,18 +80,74 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, /, *, max_seqlen_q: Op
     """Attention over a batch of sequences of different lengths packed along one axis (FlashAttention's varlen
     layout), each sequence attending only to its own keys.
 
-    q: (total_q, H, d), k: (total_k, Hk, d), v: (total_k, Hk, e), H a multiple of Hk (grouped-query attention:
-    query head h reads key head h // (H // Hk), never copied). cu_seqlens_q, cu_seqlens_k: integer arrays of
-    sequences + 1 offsets, starting at 0, non-decreasing, ending at total_q (total_k): sequence s is query rows
-    cu_seqlens_q[s]:cu_seqlens_q[s + 1] against key rows cu_seqlens_k[s]:cu_seqlens_k[s + 1]; a sequence may be
-    empty. max_seqlen_q, max_seqlen_k: the longest sequence's lengths (computed when omitted; only the launch's
-    size; smaller than a sequence is an error).
-    causal, window: as attention's, aligned bottom-right within each sequence. score_mod(score, s, h, i, j) and
-    mask_mod(s, h, i, j): as attention's, with the sequence s, the query head h and positions i, j inside the
-    sequence. sinks: one logit per query head (H,) or per sequence and head (sequences, H). dropout_p, seed: as
-    attention's, element (s, h, i, j) counted as batch item s * H + h with i, j inside the sequence.
-    out: (total_q, H, e). Returns out, or (out, lse) with return_lse=True, lse of shape (total_q, H).
-    scale, backend, block, precision: as attention's."""
+    The work is the sum over sequences of n_s * m_s, not batch * longest^2.
+
+    Parameters
+    ----------
+    q, k, v : array_like
+        ``(total_q, H, d)``, ``(total_k, Hk, d)``, ``(total_k, Hk, e)``, H a multiple of Hk (grouped-query
+        attention: query head h reads key head ``h // (H // Hk)``, never copied).
+    cu_seqlens_q, cu_seqlens_k : array_like of int
+        Sequences + 1 offsets, starting at 0, non-decreasing, ending at total_q (total_k): sequence s is query rows
+        ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` against key rows ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``; a
+        sequence may be empty (its rows, if any, give 0 and lse -inf).
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequence's lengths (computed when omitted; only the launch's size; smaller than a sequence is an
+        error).
+    causal, window
+        As `cuflash.attention`'s, aligned bottom-right within each sequence.
+    score_mod, mask_mod : callable, optional
+        ``score_mod(score, s, h, i, j)`` and ``mask_mod(s, h, i, j)``: as attention's, with the sequence s, the query
+        head h and positions i, j inside the sequence.
+    sinks : array_like, optional
+        One logit per query head ``(H,)`` or per sequence and head ``(sequences, H)``.
+    dropout_p, seed
+        As attention's, element (s, h, i, j) counted as batch item ``s * H + h`` with i, j inside the sequence.
+    out : ndarray, optional
+        ``(total_q, H, e)``.
+    return_lse : bool, optional
+        Also return lse ``(total_q, H)``.
+    scale, backend, block, precision
+        As attention's.
+
+    Returns
+    -------
+    out : ndarray
+        ``(total_q, H, e)``.
+    lse : ndarray
+        ``(total_q, H)``, with ``return_lse=True``.
+
+    Raises
+    ------
+    ValueError
+        Offsets that are not 1-D, of different counts for q and k, not starting at 0, decreasing, or not ending at
+        the total; heads that do not divide; checked before any kernel runs (on a GPU, one small reduction read back).
+    TypeError
+        Offsets that are not integers; as attention's otherwise.
+
+    See Also
+    --------
+    attention_varlen_backward : its gradients.
+
+    Examples
+    --------
+    Four sequences (one empty), 8 query heads over 2 key heads, each sequence against itself alone:
+
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(4)
+    >>> cu = np.concatenate([[0], np.cumsum([5, 0, 130, 17])])
+    >>> q = rng.standard_normal((cu[-1], 8, 64), dtype=np.float32)
+    >>> k, v = (rng.standard_normal((cu[-1], 2, 64), dtype=np.float32) for _ in range(2))
+    >>> out, lse = cuflash.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((152, 8, 64), (152, 8))
+    >>> s = slice(cu[2], cu[3])                             # the third sequence alone
+    >>> alone = cuflash.attention(q[s].transpose(1, 0, 2), np.repeat(k[s], 4, axis=1).transpose(1, 0, 2),
+    ...                           np.repeat(v[s], 4, axis=1).transpose(1, 0, 2), causal=True)
+    >>> bool(np.allclose(out[s], alone.transpose(1, 0, 2), atol=1e-5))
+    True
+    """
     xp = api.array_module(q, k, v, None, None, out, sinks=sinks)
     with api.device_of(xp, (q, k, v, out)):
         return_lse = api.check_flag(return_lse, "return_lse")
@@ -114,10 +170,49 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               causal=False, window=None, score_mod=None, mask_mod=None, sinks=None,
                               dropout_p=0.0, seed=None, backend: Optional[str] = None, block=None,
                               precision: Optional[str] = None) -> Tuple[Array, ...]:
-    """The gradients (dq, dk, dv) of attention_varlen's result given dout (total_q, H, e), and dsinks (the sinks'
-    shape) with sinks=; out and lse are the forward call's (return_lse=True), the other arguments its own.
+    """The gradients (dq, dk, dv) of `attention_varlen`'s result given dout, and dsinks with ``sinks=``.
+
     Each gradient has its operand's shape and the result's dtype (accumulated in float32, or float64 for float64);
-    a key head's gradients are its query heads' sum. Deterministic: the same inputs give the same bits."""
+    a key head's gradients are its query heads' sum. Deterministic: the same inputs give the same bits.
+
+    Parameters
+    ----------
+    dout : array_like
+        ``(total_q, H, e)``: the gradient of a loss with respect to out.
+    q, k, v, cu_seqlens_q, cu_seqlens_k
+        The forward call's.
+    out, lse : array_like
+        The forward call's results (``return_lse=True``).
+    max_seqlen_q, max_seqlen_k, scale, causal, window, score_mod, mask_mod, sinks
+        The forward call's own.
+    dropout_p, seed, backend, block, precision
+        The forward call's own.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        In q's, k's and v's shapes.
+    dsinks : ndarray
+        With ``sinks=``, in the sinks' shape.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As attention_varlen's, and dout, out or lse of the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import cuflash
+    >>> rng = np.random.default_rng(4)
+    >>> cu = np.array([0, 5, 40])
+    >>> q = rng.standard_normal((40, 4, 32), dtype=np.float32)
+    >>> k, v = (rng.standard_normal((40, 2, 32), dtype=np.float32) for _ in range(2))
+    >>> out, lse = cuflash.attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+    >>> dq, dk, dv = cuflash.attention_varlen_backward(np.ones_like(out), q, k, v, out, lse, cu, cu, causal=True)
+    >>> dq.shape, dk.shape
+    ((40, 4, 32), (40, 2, 32))
+    """
     xp = api.array_module(q, k, v, None, None, out, lse, dout, sinks=sinks)
     with api.device_of(xp, (q, k, v, dout, out, lse)):
         saved = [api.as_array(x, xp, name) for x, name in ((dout, "dout"), (out, "out"), (lse, "lse"))]

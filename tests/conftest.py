@@ -55,7 +55,13 @@ def missing_tools() -> list:
         missing.append(f"NVRTC through CuPy ({type(exc).__name__}: {exc}); pip install -e '.[test,cuda12]'")
     for module, what in (("torch", "PyTorch, for the cuflash.torch adapter's tests"),
                          ("transformers", "transformers, for the adapter's tests inside real models"),
-                         ("distributed", "dask and distributed, for cuflash.dask's tests")):
+                         ("distributed", "dask and distributed, for cuflash.dask's tests"),
+                         ("sphinx", "Sphinx and the docs extra's tools, for the test that builds the documentation"),
+                         ("sphinx_gallery", "sphinx-gallery, for the documentation's gallery"),
+                         ("pydata_sphinx_theme", "the PyData Sphinx theme, for the documentation"),
+                         ("numpydoc", "numpydoc, for the documentation's reference pages"),
+                         ("myst_parser", "MyST, for the documentation's Markdown pages"),
+                         ("matplotlib", "matplotlib, for the gallery's figures")):
         if importlib.util.find_spec(module) is None:
             missing.append(f"{what} (pip install -e '.[test]'; it pins torch's CPU build)")
     return missing

@@ -1,21 +1,35 @@
-"""The README's Python examples run as written, and every attention they compute is right: the README cannot
-drift from the code, nor show a result the reference disagrees with."""
+"""The Python examples of the README and of the user guide (docs/guide/*.md) run as written, and every attention
+they compute is right: neither can drift from the code, nor show a result the reference disagrees with."""
 
 import pathlib
 import re
 
 import numpy as np
+import pytest
 
 import cuflash
 from reference import assert_accurate
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+ARCHITECTURE = ROOT / "docs" / "guide" / "architecture.md"
 OPTIONS = ("scale", "causal", "window", "mask", "bias")
 
 
-def test_readme_examples_run_and_are_right(monkeypatch):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "the README has no Python example"
+def examples(page):
+    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
+def test_the_readme_and_the_guide_have_examples():
+    assert examples(README), "the README has no Python example"
+    assert all(examples(ROOT / "docs" / "guide" / name) for name in (
+        "getting-started.md", "patterns.md", "sequences.md", "training.md", "dask.md", "semantics.md"))
+
+
+@pytest.mark.parametrize("page", [page for page in PAGES if examples(page)], ids=lambda page: page.name)
+def test_examples_run_and_are_right(monkeypatch, page):
+    blocks = examples(page)
     calls = []
     real = cuflash.attention
 
@@ -28,8 +42,7 @@ def test_readme_examples_run_and_are_right(monkeypatch):
     for block in blocks:
         if "cuflash.attention(q, k, v, /" in block:  # the signature, not an example
             continue
-        exec(compile(block, str(README), "exec"), {})
-    assert calls, "no README example calls cuflash.attention"
+        exec(compile(block, str(page), "exec"), {})
     for q, k, v, kw, result in calls:
         out, lse = result if kw.get("return_lse") else (result, None)
         if kw.get("dropout_p"):
@@ -72,9 +85,9 @@ def check_dropout_call(q, k, v, kw, out, lse):
 
 
 def test_architecture_section_names_files_that_exist():
-    """Every file the architecture table names is in the package, and every module of the package is named."""
-    text = README.read_text()
-    section = text[text.index("## Architecture"):text.index("## Tests")]
+    """Every file the architecture page's table names is in the package, and every module of the package is
+    named."""
+    section = ARCHITECTURE.read_text()
     root = pathlib.Path(cuflash.__file__).resolve().parent
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     named = {name for row in rows for name in re.findall(r"`([\w/]+(?:\.\w+)?)`", row.split("|")[1] + row.split("|")[2])

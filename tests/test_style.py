@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("*.py", "*.cuh", "*.h", "*.cu", "*.sh", "*.toml")
-READMES = ("README.md", "bench/README.md", "cuflash/simt/README.md")
+READMES = ("README.md", "bench/README.md", "cuflash/simt/README.md",
+           *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "guide").glob("*.md")))
 
 
 def tracked(*patterns):
@@ -40,6 +41,6 @@ def test_every_result_file_the_readmes_cite_exists():
         cited |= set(re.findall(r"bench/results/[\w./-]+\.(?:txt|json|md)", text))
         if readme == "bench/README.md":
             cited |= {"bench/" + x for x in re.findall(r"(?<![\w/])results/[\w./-]+\.(?:txt|json|md)", text)}
-    assert cited, "the READMEs cite no result file"
+    assert cited, "the READMEs and the guide cite no result file"
     missing = sorted(x for x in cited if not (ROOT / x).is_file())
     assert not missing, f"cited but not under bench/results: {missing}"
