@@ -153,7 +153,9 @@ MUTANTS = (
     # ---- the NumPy backward
     m("backward-no-delta",
       [("        dp -= delta\n",
-        "")],
+        ""),
+       ("augmented(do_i, -delta, xp)",
+        "augmented(do_i, 0 * delta, xp)")],
       [f"{BACKWARD}::test_matches_reference"],
       "dS without FlashAttention-2's D_i = rowsum(dO * O): the softmax Jacobian's second term dropped"),
     m("backward-ds-unselected",
