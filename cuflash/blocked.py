@@ -24,7 +24,7 @@ TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibili
 BACKWARD_TEMPS_PER_SCORE = 6  # the backward's: S, P, dO V^T, dS, the visibility and a where() result
 # The backward's tiles (without block= or a block mask): Br query rows (of one or more batch items) by Bc keys,
 # small enough that a tile's few temporaries stay in a core's cache, large enough that matmul, not Python, dominates.
-BACKWARD_BR, BACKWARD_BC = 256, 256
+BACKWARD_BR, BACKWARD_BC = 256, 512
 
 
 class Patterns:
