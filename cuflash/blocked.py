@@ -364,25 +364,63 @@ def run_backward(problem, dout, out, lse, grads, block=None, threads=None):
     so the cupy backend runs the same blocked code on CuPy's matmul. Any further grads are those of score_mod's
     tables problem.score_mod_grads names (table_gradients).
 
-    The steps of one selection of batch items (all their row tiles) are one piece of work; pieces write disjoint
-    gradients, so on NumPy arrays they run on worker threads (cuflash.workers; threads: how many, default its
-    count()), with the same bits as on one thread. Gradients of score_mod's tables, which every piece adds to,
-    keep everything on the calling thread."""
+    The steps of one selection of batch items (all their row tiles) are one piece of work, split further into
+    ranges of keys where the pieces are few (key_ranges); pieces write disjoint gradients (a range's dQ is summed
+    apart and added in a fixed order), so on NumPy arrays they run on worker threads (cuflash.workers; threads:
+    how many, default its count()), with the same bits as on one thread. Gradients of score_mod's tables, which
+    every piece adds to, keep everything on the calling thread."""
     if packed_sequences(problem):
         views = ((dout, "q"), (out, "q"), (lse, "q"), (grads[0], "q"), (grads[1], "k"), (grads[2], "k"))
         for sub, (dout_s, out_s, lse_s, *grads_s) in sequences(problem, views):
             run_backward(sub, dout_s, out_s, lse_s, tuple(grads_s) + (None,), block, threads)
         return
+    dq = grads[0]
     dtables = dict(zip(problem.score_mod_grads, grads[4:]))
     patterns = Patterns(problem)
     pieces = workers.consecutive_groups(list(backward_steps(problem, block)), key=lambda step: step[0])
-
-    def work(piece):
-        for index, i0, i1, key_tiles in piece:
-            backward_rows(problem, patterns, dout, out, lse, grads[:4], dtables, index, i0, i1, key_tiles)
     if problem.xp is not np or dtables:
         threads = 1
-    workers.run_all(work, pieces, threads)
+    ranges = key_ranges(problem, block, len(pieces), dtables)
+    # dQ of a piece's key range after the first: summed apart, added to dq in the ranges' order once all are done.
+    dq_parts = [[None] + [problem.xp.zeros_like(dq[piece[0][0]]) for _ in ranges[1:]] for piece in pieces]
+
+    def work(unit):
+        p, r = unit
+        k0, k1 = ranges[r]
+        for index, i0, i1, key_tiles in pieces[p]:
+            tiles = [(max(j0, k0), min(j1, k1), whole) for j0, j1, whole in key_tiles if j0 < k1 and j1 > k0]
+            if not tiles:
+                continue
+            dq_i = backward_rows(problem, patterns, dout, out, lse, grads[:4], dtables, index, i0, i1, tiles)
+            if r == 0:
+                dq[index + (slice(i0, i1),)] += dq_i
+            else:
+                dq_parts[p][r][tuple(slice(None) for x in index if isinstance(x, slice)) + (slice(i0, i1),)] += dq_i
+    workers.run_all(work, [(p, r) for p in range(len(pieces)) for r in range(len(ranges))], threads)
+    for piece, parts in zip(pieces, dq_parts):
+        for part in parts[1:]:
+            dq[piece[0][0]] += part
+
+
+KEY_SPLIT_PIECES = 4  # fewer pieces of batch items than this: each also split into ranges of its keys
+
+
+def key_ranges(problem, block, pieces, dtables):
+    """The ranges of keys [k0, k1) each piece of batch items is split into: one (every key) unless the problem has
+    fewer than KEY_SPLIT_PIECES pieces (one head, say) and keys for more than one tile; then enough ranges, on
+    BACKWARD_BC boundaries, that pieces times ranges reach KEY_SPLIT_PIECES. Each (piece, range) owns its keys' dk
+    and dv, and sums its dQ apart (a piece's dq once more in memory per further range): a rule of the problem
+    alone, not of the threads, so the bits are the same on any number of them."""
+    every = [(0, problem.m)]
+    if (problem.xp is not np or dtables or block is not None or problem.block_mask is not None or pieces == 0
+            or pieces >= KEY_SPLIT_PIECES):
+        return every
+    tiles = -(-problem.m // BACKWARD_BC)
+    count = min(tiles, -(-KEY_SPLIT_PIECES // pieces))
+    if count <= 1:
+        return every
+    width = -(-tiles // count) * BACKWARD_BC
+    return [(k0, min(problem.m, k0 + width)) for k0 in range(0, problem.m, width)]
 
 
 def backward_steps(problem, block):
@@ -407,13 +445,14 @@ def augmented(x, column, xp):
 
 def backward_rows(problem, patterns, dout, out, lse, grads, dtables, index, i0, i1, key_tiles):
     """One step of the backward: rows [i0, i1) of the batch items `index` selects against their key tiles,
-    adding to dq of those rows and to dk, dv (and writing dbias) of those keys.
+    adding to dk, dv (and writing dbias) of those keys; returns those rows' dQ over those tiles (grads[0] is not
+    touched).
 
     Without dropout (which scales dO V^T before D is taken off), D_i rides in dP's matmul as
     [dO_i, -D_i] [V_j, 1]^T: one pass over the scores fewer. (The shift by lse_i does not ride in the scores' matmul
     the same way: P_ij must be recomputed with the forward's own rounding of S_ij, or rows of large scores lose
     their sum of 1.)"""
-    dq, dk, dv, dbias = grads
+    _, dk, dv, dbias = grads
     xp, acc = problem.xp, problem.acc_dtype
     scale = acc.type(problem.scale)
     rows = index + (slice(i0, i1),)
@@ -454,7 +493,7 @@ def backward_rows(problem, patterns, dout, out, lse, grads, dtables, index, i0, 
         if dbias is not None:
             dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
     dq_i *= scale
-    dq[rows] += dq_i
+    return dq_i
 
 
 def tile_score_gradient(problem, p_ij, do_i, v_j, delta, visible, kept=None):

@@ -6,8 +6,10 @@ cores slow each other down: while pieces run here, OpenBLAS is held to one threa
 first of overlapping callers saves it, the last restores it). Where OpenBLAS is not found (another BLAS, or a
 platform without /proc/self/maps) everything runs on the calling thread, in the same order.
 
-Results never depend on the number of threads: each piece runs its own work in a fixed order, and pieces share no
-output, so the bits are those of a run on one thread.
+Results never depend on the number of threads: each piece runs its own work in a fixed order, pieces share no
+output, and OpenBLAS is held to one thread for two or more pieces even when they all run on the calling thread
+(its threaded products can differ from its one-thread products in the last bit), so the bits are those of a run
+on one thread.
 """
 
 from __future__ import annotations
@@ -105,17 +107,21 @@ def count() -> int:
 
 def run_all(work: Callable[[T], None], pieces: Iterable[T], threads: Optional[int] = None) -> None:
     """work(piece) for every piece, on up to `threads` worker threads (default count()), each BLAS call on one
-    thread. The pieces must write disjoint outputs. The first exception raised by a piece is raised here, after
-    every piece has finished."""
+    thread whenever there are two or more pieces (a single piece keeps BLAS's own threads). The pieces must write
+    disjoint outputs. The first exception raised by a piece is raised here, after every piece has finished."""
     pieces = list(pieces)
     threads = min(count() if threads is None else threads, len(pieces))
     control = blas()
-    if threads <= 1 or control.set is None:
+    if len(pieces) <= 1 or control.set is None:
         for piece in pieces:
             work(piece)
         return
     control.hold_one()
     try:
+        if threads <= 1:
+            for piece in pieces:
+                work(piece)
+            return
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="cuflash") as pool:
             futures = [pool.submit(work, piece) for piece in pieces]
         for future in futures:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 
 import cuflash
-from cuflash import blocked, workers
+from cuflash import api, blocked, workers
 from reference import assert_grads_accurate, attention_grads_reference, attention_reference
 from strategies import cases, randn
 
@@ -169,23 +169,40 @@ def test_dropout_on_worker_threads_gives_the_bits_of_one_thread(causal):
         assert a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_past_the_row_and_key_tiles(causal):
-    """One head of 700 queries by 1100 keys: three row tiles and three key tiles, each with a tail; and row tiles
-    of several heads when n is below a tile's rows."""
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (300, 40)}])
+def test_one_head_past_the_row_and_key_tiles(options):
+    """One head of 700 queries by 1100 keys: three row tiles and three key tiles, each with a tail, and split into
+    ranges of keys (a sliding window's tiles cut at their edges) that threads take apart: the bits of one thread,
+    and accurate. Then row tiles of several heads where n is below a tile's rows."""
     assert 700 > 2 * blocked.BACKWARD_BR and 1100 > 2 * blocked.BACKWARD_BC
     rng = np.random.default_rng(13)
     q, k, v = randn(rng, (700, 16), np.float64), randn(rng, (1100, 16), np.float64), randn(rng, (1100, 4), np.float64)
-    dout, grads = forward_and_backward(q, k, v, causal=causal)
-    assert_grads_accurate(grads, dout, q, k, v, causal=causal)
+    dout, one = on_threads(1, lambda: forward_and_backward(q, k, v, **options))
+    _, two = on_threads(2, lambda: forward_and_backward(q, k, v, dout=dout, **options))
+    for a, b in zip(one, two):
+        assert a.tobytes() == b.tobytes()
+    assert_grads_accurate(one, dout, q, k, v, **options)
     q, k, v = randn(rng, (9, 40, 16)), randn(rng, (9, 40, 16)), randn(rng, (9, 40, 4))
-    dout, grads = forward_and_backward(q, k, v, causal=causal)
-    assert_grads_accurate(grads, dout, q, k, v, causal=causal)
+    dout, grads = forward_and_backward(q, k, v, **options)
+    assert_grads_accurate(grads, dout, q, k, v, **options)
+
+
+def test_key_ranges_only_where_pieces_are_few():
+    """One head of 1100 keys: three ranges on tile boundaries; two pieces: two ranges; four or more, or keys for
+    one tile, or gradients of score_mod's tables: one range."""
+    q, k, v = (np.zeros(shape, np.float32) for shape in ((700, 8), (1100, 8), (1100, 8)))
+    problem = api.make_problem(np, q, k, v, None, False, None, None, None)[0]
+    bc = blocked.BACKWARD_BC
+    assert blocked.key_ranges(problem, None, 1, {}) == [(0, bc), (bc, 2 * bc), (2 * bc, 1100)]
+    assert blocked.key_ranges(problem, None, 2, {}) == [(0, 2 * bc), (2 * bc, 1100)]
+    assert blocked.key_ranges(problem, None, blocked.KEY_SPLIT_PIECES, {}) == [(0, 1100)]
+    assert blocked.key_ranges(problem, None, 1, {0: None}) == [(0, 1100)]
+    assert blocked.key_ranges(problem, (64, 64), 1, {}) == [(0, 1100)]
 
 
 def test_workers_run_pieces_side_by_side_with_blas_on_one_thread():
-    """Two pieces meet at a barrier (so they ran at once), each seeing OpenBLAS held to one thread; its count is
-    restored afterwards, and a piece's exception reaches the caller."""
+    """Two pieces meet at a barrier (so they ran at once), each seeing OpenBLAS held to one thread, as are two
+    pieces on the calling thread; its count is restored afterwards, and a piece's exception reaches the caller."""
     blas = workers.blas()
     if blas.set is None:
         pytest.skip("OpenBLAS's thread count is not reachable here")
@@ -196,6 +213,9 @@ def test_workers_run_pieces_side_by_side_with_blas_on_one_thread():
         barrier.wait()
         seen.append(blas.get())
     workers.run_all(piece, range(2), threads=2)
+    assert seen == [1, 1] and blas.get() == before
+    seen.clear()  # two pieces on the calling thread: BLAS on one thread too, so the bits are the threads' bits
+    workers.run_all(lambda _: seen.append(blas.get()), range(2), threads=1)
     assert seen == [1, 1] and blas.get() == before
 
     def failing(x):
