@@ -424,9 +424,9 @@ def key_ranges(problem, block, pieces, dtables):
 
 
 def backward_steps(problem, block):
-    """The backward's steps (as steps()): without block= or a block mask, tiles of about BACKWARD_TILE scores,
-    square where a window bounds the rows (the tiles it hides are skipped), each step's temporaries small enough
-    to stay in a core's cache."""
+    """The backward's steps (as steps()): without block= or a block mask, tiles of BACKWARD_BR x BACKWARD_BC
+    scores (rows of several batch items where n is smaller; square where a window bounds the rows, so the tiles it
+    hides are skipped), each step's temporaries small enough to stay in a core's cache."""
     if block is not None or problem.block_mask is not None:
         return steps(problem, block, BACKWARD_TEMPS_PER_SCORE)
     bc = max(1, min(BACKWARD_BC, problem.m))
