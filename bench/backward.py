@@ -3,7 +3,7 @@ naive NumPy backward (scores and probabilities materialized) and PyTorch's CPU s
 backward, on the same inputs. On a machine with a CUDA GPU (--gpu): cuflash's backward kernels on CuPy arrays,
 backward alone and forward + backward, beside torch SDPA's flash and memory-efficient backends.
 
-    python -m bench.backward --out DIR           # n = m from 512 to 4096, d = 64, float32, causal and not
+    python -m bench.backward --out DIR           # n = m 512 to 4096, d = 64, float32 and float64, causal and not
     python -m bench.backward --tiny --out DIR    # seconds: the CI smoke run
     python -m bench.backward --gpu --out DIR     # float16 and bfloat16, d = 64 and 128, n = m 1024 to 8192
 
@@ -35,6 +35,7 @@ import cuflash
 from cuflash import cost
 
 SCHEMA = "cuflash-bench-backward/1"
+CPU_DTYPES = ("float32", "float64")
 BACKWARD_FLOP_FACTOR = 2.5  # five n x m x d matmuls (S, dP, dV, dQ, dK) against the forward's two
 
 
@@ -44,6 +45,7 @@ class Point:
     n: int
     d: int
     causal: bool
+    dtype: str = "float32"  # the CPU run's; the GPU run names its dtypes apart
 
     def flops(self) -> float:
         return BACKWARD_FLOP_FACTOR * cost.flops(self.heads, self.n, self.n, self.d, causal=self.causal)
@@ -51,7 +53,8 @@ class Point:
 
 def points(tiny: bool) -> List[Point]:
     lengths = (64, 256) if tiny else (512, 1024, 2048, 4096)
-    return [Point(2 if tiny else 4, n, 16 if tiny else 64, causal) for n in lengths for causal in (False, True)]
+    return [Point(2 if tiny else 4, n, 16 if tiny else 64, causal, dtype)
+            for dtype in CPU_DTYPES for n in lengths for causal in (False, True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,7 +134,7 @@ def dq_error(dq, q, k, v, dout, causal) -> float:
 
 def measure(point: Point, peers: List[str], repeats: int, budget_s: float, seed: int = 0) -> List[dict]:
     rng = np.random.default_rng(seed)
-    q, k, v, dout = (rng.standard_normal((point.heads, point.n, point.d), dtype=np.float32) for _ in range(4))
+    q, k, v, dout = (rng.standard_normal((point.heads, point.n, point.d)).astype(point.dtype) for _ in range(4))
     records = []
     for name in peers:
         record = {"name": name, **asdict(point)}
@@ -154,15 +157,16 @@ def measure(point: Point, peers: List[str], repeats: int, budget_s: float, seed:
 
 
 def markdown(records: List[dict]) -> str:
-    lines = ["| heads | n = m | d | causal | peer | ms | GFLOP/s | cuflash faster by | peak MiB | dq rel. error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | heads | n = m | d | causal | peer | ms | GFLOP/s | cuflash faster by | peak MiB "
+             "| dq rel. error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
+        head = f"| {r.get('dtype', 'float32')} | {r['heads']} | {r['n']} | {r['d']} | {r['causal']} | {r['name']} |"
         if r["status"] != "ok":
-            lines.append(f"| {r['heads']} | {r['n']} | {r['d']} | {r['causal']} | {r['name']} | {r['reason']} |"
-                         f" | | | |")
+            lines.append(f"{head} {r['reason']} | | | | |")
             continue
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
-        lines.append(f"| {r['heads']} | {r['n']} | {r['d']} | {r['causal']} | {r['name']} | {r['time_ms']:.1f} | "
+        lines.append(f"{head} {r['time_ms']:.1f} | "
                      f"{r['gflops']:.1f} | {r['cuflash_speedup']:.2f}x | {peak} | {r['dq_rel_error']:.1e} |")
     return "\n".join(lines) + "\n"
 
@@ -225,7 +229,7 @@ def gpu_measure(point: Point, dtype: str, peers: List[str], repeats: int, seed: 
     forward_flops = cost.flops(point.heads, point.n, point.n, point.d, causal=point.causal)
     records = []
     for name in peers:
-        record = {"name": name, "dtype": dtype, **asdict(point)}
+        record = {"name": name, **asdict(point), "dtype": dtype}
         try:
             calls = gpu_calls(name, q, k, v, dout, point.causal)
         except Exception as exc:  # torch missing, or the backend refuses this point

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from . import blockmask, mods
+from . import blockmask, mods, workers
 from .problem import Packed
 from .tiling import block_pair
 
@@ -22,6 +22,9 @@ WORKING_SET_BYTES = 64 * 2**20  # bound on the temporaries of one tile step
 DEFAULT_BC = 512  # keys per tile: large enough that matmul, not Python, dominates
 TEMPS_PER_SCORE = 4  # score-sized temporaries alive at once: S, P, the visibility and a where() result
 BACKWARD_TEMPS_PER_SCORE = 6  # the backward's: S, P, dO V^T, dS, the visibility and a where() result
+# The backward's tiles (without block= or a block mask): Br query rows (of one or more batch items) by Bc keys,
+# small enough that a tile's few temporaries stay in a core's cache, large enough that matmul, not Python, dominates.
+BACKWARD_BR, BACKWARD_BC = 256, 512
 
 
 class Patterns:
@@ -93,13 +96,13 @@ def paged_sequences(problem):
             paged=None)
 
 
-def steps(problem, block, temps=TEMPS_PER_SCORE):
+def steps(problem, block, temps=TEMPS_PER_SCORE, sizes=None):
     """Yield (batch index, i0, i1, key tiles) for every step: rows [i0, i1) of the batch items the index selects,
     against key tiles (j0, j1, whole), whole meaning the block mask shows every element (no mask_mod to
     evaluate). Without a block mask: the row tiles of row_tiles against every key tile of their window. With one:
     its row tiles (of all the batch items that share its entry, in groups that keep the working set) against the
-    tiles it shows within the window."""
-    rows_per_step, bc = tile_sizes(problem, block, temps)
+    tiles it shows within the window. sizes: (rows per step, keys per tile) instead of tile_sizes'."""
+    rows_per_step, bc = tile_sizes(problem, block, temps) if sizes is None else sizes
     if problem.block_mask is None:
         # A causal or windowed problem's row tiles are no taller than a key tile: the key tiles its window hides
         # are skipped, and few tiles straddle its edge.
@@ -239,15 +242,18 @@ def index_grids(problem, index, i0, i1, j0, j1):
     return grids + [xp.arange(i0, i1, dtype=np.int64)[:, None], xp.arange(j0, j1, dtype=np.int64)[None, :]]
 
 
-def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1, whole=False, keep_raw=True):
+def tile_scores(problem, patterns, index, q_i, i0, i1, j0, j1, whole=False, keep_raw=True, k_j=None):
     """S_ij = (scale * q_i) @ k_j.T + bias, then score_mod, with hidden keys set to -inf by selection; the
     visibility (None when every key of the tile is visible); and the scores before score_mod (None without one:
     the backward's derivative reads them). A -inf bias hides its key as the mask does, so a NaN in that key's
     scores or values never counts. whole: the block mask shows the whole tile, so its pattern (mask_mod, or the
     mask it was made from) is not evaluated. keep_raw=False (the forward): score_mod may overwrite the scores, and
-    no raw scores come back. In the arrays' own module (the cupy backend's backward uses it too)."""
+    no raw scores come back. k_j: the tile's keys in the accumulation type, when the caller has them (default:
+    sliced from problem.k). In the arrays' own module (the cupy backend's
+    backward uses it too)."""
     xp, acc = problem.xp, problem.acc_dtype
-    k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
+    if k_j is None:
+        k_j = problem.k[index + (slice(j0, j1),)].astype(acc, copy=False)
     s_ij = xp.matmul(q_i, xp.swapaxes(k_j, -1, -2))
     tile = index + (slice(i0, i1), slice(j0, j1))
     visible = None
@@ -346,7 +352,7 @@ def weighted_values(p_ij, v_j, visible, xp=np, all_finite=None):
 # The backward pass
 
 
-def run_backward(problem, dout, out, lse, grads, block=None):
+def run_backward(problem, dout, out, lse, grads, block=None, threads=None):
     """FlashAttention-2's backward over the forward's tiles: per tile, P_ij = exp(S_ij - lse_i) is recomputed from
     q, k and the saved lse (never stored), and
 
@@ -356,61 +362,155 @@ def run_backward(problem, dout, out, lse, grads, block=None):
     over the whole batch in the accumulator type, zeroed, accumulated here in a fixed order (deterministic);
     dbias_ij = dS_ij. Hidden pairs contribute nothing, by selection. Written in the arrays' module (problem.xp),
     so the cupy backend runs the same blocked code on CuPy's matmul. Any further grads are those of score_mod's
-    tables problem.score_mod_grads names (table_gradients)."""
+    tables problem.score_mod_grads names (table_gradients).
+
+    The steps of one selection of batch items (all their row tiles) are one piece of work, split further into
+    ranges of keys where the pieces are few (key_ranges); pieces write disjoint gradients (a range's dQ is summed
+    apart and added in a fixed order), so on NumPy arrays they run on worker threads (cuflash.workers; threads:
+    how many, default its count()), with the same bits as on one thread. Gradients of score_mod's tables, which
+    every piece adds to, keep everything on the calling thread."""
     if packed_sequences(problem):
         views = ((dout, "q"), (out, "q"), (lse, "q"), (grads[0], "q"), (grads[1], "k"), (grads[2], "k"))
         for sub, (dout_s, out_s, lse_s, *grads_s) in sequences(problem, views):
-            run_backward(sub, dout_s, out_s, lse_s, tuple(grads_s) + (None,), block)
+            run_backward(sub, dout_s, out_s, lse_s, tuple(grads_s) + (None,), block, threads)
         return
-    dq, dk, dv, dbias = grads[:4]
+    dq = grads[0]
     dtables = dict(zip(problem.score_mod_grads, grads[4:]))
+    patterns = Patterns(problem)
+    pieces = workers.consecutive_groups(list(backward_steps(problem, block)), key=lambda step: step[0])
+    if problem.xp is not np or dtables:
+        threads = 1
+    ranges = key_ranges(problem, block, len(pieces), dtables)
+    # dQ of a piece's key range after the first: summed apart, added to dq in the ranges' order once all are done.
+    dq_parts = [[None] + [problem.xp.zeros_like(dq[piece[0][0]]) for _ in ranges[1:]] for piece in pieces]
+
+    def work(unit):
+        p, r = unit
+        k0, k1 = ranges[r]
+        for index, i0, i1, key_tiles in pieces[p]:
+            tiles = [(max(j0, k0), min(j1, k1), whole) for j0, j1, whole in key_tiles if j0 < k1 and j1 > k0]
+            if not tiles:
+                continue
+            dq_i = backward_rows(problem, patterns, dout, out, lse, grads[:4], dtables, index, i0, i1, tiles)
+            if r == 0:
+                dq[index + (slice(i0, i1),)] += dq_i
+            else:
+                dq_parts[p][r][tuple(slice(None) for x in index if isinstance(x, slice)) + (slice(i0, i1),)] += dq_i
+    workers.run_all(work, [(p, r) for p in range(len(pieces)) for r in range(len(ranges))], threads)
+    for piece, parts in zip(pieces, dq_parts):
+        for part in parts[1:]:
+            dq[piece[0][0]] += part
+
+
+KEY_SPLIT_PIECES = 4  # fewer pieces of batch items than this: each also split into ranges of its keys
+
+
+def key_ranges(problem, block, pieces, dtables):
+    """The ranges of keys [k0, k1) each piece of batch items is split into: one (every key) unless the problem has
+    fewer than KEY_SPLIT_PIECES pieces (one head, say) and keys for more than one tile; then enough ranges, on
+    BACKWARD_BC boundaries, that pieces times ranges reach KEY_SPLIT_PIECES. Each (piece, range) owns its keys' dk
+    and dv, and sums its dQ apart (a piece's dq once more in memory per further range): a rule of the problem
+    alone, not of the threads, so the bits are the same on any number of them."""
+    every = [(0, problem.m)]
+    if (problem.xp is not np or dtables or block is not None or problem.block_mask is not None or pieces == 0
+            or pieces >= KEY_SPLIT_PIECES):
+        return every
+    tiles = -(-problem.m // BACKWARD_BC)
+    count = min(tiles, -(-KEY_SPLIT_PIECES // pieces))
+    if count <= 1:
+        return every
+    width = -(-tiles // count) * BACKWARD_BC
+    return [(k0, min(problem.m, k0 + width)) for k0 in range(0, problem.m, width)]
+
+
+def backward_steps(problem, block):
+    """The backward's steps (as steps()): without block= or a block mask, tiles of BACKWARD_BR x BACKWARD_BC
+    scores (rows of several batch items where n is smaller; square where a window bounds the rows, so the tiles it
+    hides are skipped), each step's temporaries small enough to stay in a core's cache."""
+    if block is not None or problem.block_mask is not None:
+        return steps(problem, block, BACKWARD_TEMPS_PER_SCORE)
+    bc = max(1, min(BACKWARD_BC, problem.m))
+    return steps(problem, None, sizes=(max(1, BACKWARD_BR * BACKWARD_BC // bc), bc))
+
+
+def augmented(x, column, xp):
+    """[x, column]: x with one more element on its last axis (column broadcast to x's other axes), contiguous. A
+    product of two augmented operands adds the product of their last columns: a per-row term joins the matmul
+    instead of taking a pass over the scores."""
+    result = xp.empty(x.shape[:-1] + (x.shape[-1] + 1,), dtype=x.dtype)
+    result[..., :-1] = x
+    result[..., -1] = column
+    return result
+
+
+def backward_rows(problem, patterns, dout, out, lse, grads, dtables, index, i0, i1, key_tiles):
+    """One step of the backward: rows [i0, i1) of the batch items `index` selects against their key tiles,
+    adding to dk, dv (and writing dbias) of those keys; returns those rows' dQ over those tiles (grads[0] is not
+    touched).
+
+    Without dropout (which scales dO V^T before D is taken off), D_i rides in dP's matmul as
+    [dO_i, -D_i] [V_j, 1]^T: one pass over the scores fewer. (The shift by lse_i does not ride in the scores' matmul
+    the same way: P_ij must be recomputed with the forward's own rounding of S_ij, or rows of large scores lose
+    their sum of 1.)"""
+    _, dk, dv, dbias = grads
     xp, acc = problem.xp, problem.acc_dtype
     scale = acc.type(problem.scale)
-    patterns = Patterns(problem)
-    for index, i0, i1, key_tiles in steps(problem, block, BACKWARD_TEMPS_PER_SCORE):
-        rows = index + (slice(i0, i1),)
-        q_i = problem.q[rows].astype(acc)
-        do_i = dout[rows].astype(acc)
-        lse_i = lse[rows].astype(acc)
-        shift = xp.where(lse_i == -np.inf, 0, lse_i)[..., None]  # a row that sees nothing: P = exp(-inf) = 0
-        with np.errstate(invalid="ignore"):
-            delta = problem.delta(do_i, out[rows])[..., None]
-        scaled_q_i = q_i * scale
-        # Whether dO_i and Q_i are finite, asked once for all their key tiles (the products skip the test).
-        do_finite, q_finite = (bool(xp.isfinite(x).all()) for x in (do_i, scaled_q_i))
-        for j0, j1, whole in key_tiles:
-            keys = index + (slice(j0, j1),)
-            s_ij, visible, raw = tile_scores(problem, patterns, index, scaled_q_i, i0, i1, j0, j1, whole)
-            p_ij = exp_shifted(s_ij, shift, xp)  # S_ij is not needed again
-            kept = None if problem.dropout is None else dropout_factor(problem, index, i0, i1, j0, j1)
-            ds_ij = tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, kept)
-            if raw is not None:
-                grids = index_grids(problem, index, i0, i1, j0, j1)
-                table_gradients(patterns, dtables, grids, raw, ds_ij)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    ds_ij *= patterns.score_mod.derivative(grids, raw)
-                if visible is not None:
-                    ds_ij = xp.where(visible, ds_ij, 0)  # a derivative may be NaN or inf where a pair is hidden
-            visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
-            dropped = p_ij if kept is None else p_ij * kept  # the probabilities the output took
-            dv[keys] += weighted_values(xp.swapaxes(dropped, -1, -2), do_i, visible_t, xp, do_finite)
-            scaled_k_j = problem.k[keys].astype(acc) * scale  # small: the scale folded into the operand
-            dq[rows] += weighted_values(ds_ij, scaled_k_j, visible, xp)
-            dk[keys] += weighted_values(xp.swapaxes(ds_ij, -1, -2), scaled_q_i, visible_t, xp, q_finite)
-            if dbias is not None:
-                dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
+    rows = index + (slice(i0, i1),)
+    q_i = problem.q[rows].astype(acc)
+    do_i = dout[rows].astype(acc)
+    lse_i = lse[rows].astype(acc)
+    shift = xp.where(lse_i == -np.inf, 0, lse_i)  # a row that sees nothing: P = exp(-inf) = 0
+    with np.errstate(invalid="ignore"):
+        delta = problem.delta(do_i, out[rows])
+    scaled_q_i = q_i * scale
+    fold_delta = problem.dropout is None
+    do_op = augmented(do_i, -delta, xp) if fold_delta else do_i
+    # Whether dO_i and Q_i are finite, asked once for all their key tiles (the products skip the test).
+    do_finite, q_finite = (bool(xp.isfinite(x).all()) for x in (do_i, scaled_q_i))
+    dq_i = xp.zeros(q_i.shape, dtype=acc)  # sum over the key tiles of dS_ij K_j; scaled once at the end
+    for j0, j1, whole in key_tiles:
+        keys = index + (slice(j0, j1),)
+        k_j = problem.k[keys].astype(acc, copy=False)
+        s_ij, visible, raw = tile_scores(problem, patterns, index, scaled_q_i, i0, i1, j0, j1, whole, k_j=k_j)
+        p_ij = exp_shifted(s_ij, shift[..., None], xp)  # S_ij is not needed again
+        kept = None if problem.dropout is None else dropout_factor(problem, index, i0, i1, j0, j1)
+        v_j = problem.v[keys].astype(acc, copy=False)
+        v_op = augmented(v_j, acc.type(1), xp) if fold_delta else v_j
+        ds_ij = tile_score_gradient(problem, p_ij, do_op, v_op, None if fold_delta else delta[..., None],
+                                    visible, kept)
+        if raw is not None:
+            grids = index_grids(problem, index, i0, i1, j0, j1)
+            table_gradients(patterns, dtables, grids, raw, ds_ij)
+            with np.errstate(invalid="ignore", over="ignore"):
+                ds_ij *= patterns.score_mod.derivative(grids, raw)
+            if visible is not None:
+                ds_ij = xp.where(visible, ds_ij, 0)  # a derivative may be NaN or inf where a pair is hidden
+        visible_t = None if visible is None else xp.swapaxes(visible, -1, -2)  # (keys, rows), as P^T
+        dropped = p_ij if kept is None else p_ij * kept  # the probabilities the output took
+        dv[keys] += weighted_values(xp.swapaxes(dropped, -1, -2), do_i, visible_t, xp, do_finite)
+        dq_i += weighted_values(ds_ij, k_j, visible, xp)
+        dk[keys] += weighted_values(xp.swapaxes(ds_ij, -1, -2), scaled_q_i, visible_t, xp, q_finite)
+        if dbias is not None:
+            dbias[index + (slice(i0, i1), slice(j0, j1))] = ds_ij
+    dq_i *= scale
+    return dq_i
 
 
-def tile_score_gradient(problem, keys, p_ij, do_i, delta, visible, kept=None):
-    """dS_ij = P_ij * (dO_i V_j^T - D_i) (the gradient of the score the softmax sees), zero for hidden pairs by
-    selection (a NaN in a hidden value row makes dO_i V_j^T NaN there). With dropout, dO_i V_j^T is the gradient of
-    the dropped probabilities: times kept (dropout_factor) it is the softmax's."""
+def tile_score_gradient(problem, p_ij, do_i, v_j, delta, visible, kept=None):
+    """dS_ij = P_ij * (dO_i V_j^T - D_i) (the gradient of the score the softmax sees), zero for
+    hidden pairs by selection (a NaN in a hidden value row makes dO_i V_j^T NaN there). delta None: D_i rides in
+    the operands' last columns (backward_rows). With dropout, dO_i V_j^T is the gradient of the dropped
+    probabilities: times kept (dropout_factor) it is the softmax's."""
     xp = problem.xp
-    v_j = problem.v[keys].astype(problem.acc_dtype, copy=False)
     dp_ij = xp.matmul(do_i, xp.swapaxes(v_j, -1, -2))
     if kept is not None:
         dp_ij *= kept
-    ds_ij = score_gradient_in_place(dp_ij, p_ij, delta)
+    if delta is None:
+        with np.errstate(invalid="ignore"):
+            dp_ij *= p_ij
+        ds_ij = dp_ij
+    else:
+        ds_ij = score_gradient_in_place(dp_ij, p_ij, delta)
     return ds_ij if visible is None else xp.where(visible, ds_ij, 0)
 
 

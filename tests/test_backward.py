@@ -1,6 +1,11 @@
 """cuflash.attention_backward on the numpy backend: gradients against an independent float64 reference (itself
 checked by finite differences), over the forward's input space drawn by hypothesis; broadcast axes summed;
-hidden keys with exactly zero gradient; bitwise determinism; errors in NumPy's words."""
+hidden keys with exactly zero gradient; bitwise determinism, on worker threads as on one; errors in NumPy's
+words."""
+
+import os
+import threading
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -8,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 
 import cuflash
+from cuflash import api, blocked, workers
 from reference import assert_grads_accurate, attention_grads_reference, attention_reference
 from strategies import cases, randn
 
@@ -121,6 +127,105 @@ def test_deterministic_bit_for_bit(dtype):
         assert a.dtype == np.dtype(dtype)
         assert a.tobytes() == b.tobytes()
     assert_grads_accurate(first, dout, q, k, v, causal=True)
+
+
+def on_threads(count, call):
+    """call() with the backward's worker threads set to `count` (1: everything on the calling thread)."""
+    with mock.patch.dict(os.environ, {workers.ENVIRONMENT: str(count)}):
+        return call()
+
+
+@given(cases(dtypes=(np.dtype(np.float32), np.dtype(np.float64)), lengths=(1, 7, 300), key_lengths=(5, 300, 700),
+             head_dims=(3, 16), max_batch_dims=2))
+@settings(max_examples=12)
+def test_worker_threads_give_the_bits_of_one_thread(case):
+    """Batch items on worker threads, each writing its own gradients: the same bits as one thread, whatever the
+    options (causal, window, mask, bias and its gradient), tails of the 256 x 512 tiles included; and accurate."""
+    options = {key: case.options[key] for key in OPTIONS if key in case.options}
+    bias_grad = options.get("bias") is not None
+    dout, one = on_threads(1, lambda: forward_and_backward(case.q, case.k, case.v, bias_grad=bias_grad, **options))
+    for count in (2, 3):
+        _, many = on_threads(count, lambda: forward_and_backward(case.q, case.k, case.v, dout=dout,
+                                                                 bias_grad=bias_grad, **options))
+        for a, b in zip(one, many):
+            assert a.tobytes() == b.tobytes()
+    assert_grads_accurate(one, dout, case.q, case.k, case.v, **options)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_on_worker_threads_gives_the_bits_of_one_thread(causal):
+    """Dropout keeps the same elements on every thread: three heads of 300 x 600 (row and key tails) with p = 0.3
+    give the bits of one thread."""
+    rng = np.random.default_rng(12)
+    q, k, v = randn(rng, (3, 300, 8), np.float64), randn(rng, (3, 600, 8), np.float64), randn(rng, (3, 600, 5),
+                                                                                              np.float64)
+    options = dict(causal=causal, dropout_p=0.3, seed=5, backend="numpy")
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dout = randn(rng, out.shape, np.float64)
+    one, two = (on_threads(count, lambda: cuflash.attention_backward(dout, q, k, v, out, lse, **options))
+                for count in (1, 2))
+    assert any((grad != 0).any() for grad in one)
+    for a, b in zip(one, two):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window": (300, 40)}])
+def test_one_head_past_the_row_and_key_tiles(options):
+    """One head of 700 queries by 1100 keys: three row tiles and three key tiles, each with a tail, and split into
+    ranges of keys (a sliding window's tiles cut at their edges) that threads take apart: the bits of one thread,
+    and accurate. Then row tiles of several heads where n is below a tile's rows."""
+    assert 700 > 2 * blocked.BACKWARD_BR and 1100 > 2 * blocked.BACKWARD_BC
+    rng = np.random.default_rng(13)
+    q, k, v = randn(rng, (700, 16), np.float64), randn(rng, (1100, 16), np.float64), randn(rng, (1100, 4), np.float64)
+    dout, one = on_threads(1, lambda: forward_and_backward(q, k, v, **options))
+    _, two = on_threads(2, lambda: forward_and_backward(q, k, v, dout=dout, **options))
+    for a, b in zip(one, two):
+        assert a.tobytes() == b.tobytes()
+    assert_grads_accurate(one, dout, q, k, v, **options)
+    q, k, v = randn(rng, (9, 40, 16)), randn(rng, (9, 40, 16)), randn(rng, (9, 40, 4))
+    dout, grads = forward_and_backward(q, k, v, **options)
+    assert_grads_accurate(grads, dout, q, k, v, **options)
+
+
+def test_key_ranges_only_where_pieces_are_few():
+    """One head of 1100 keys: three ranges on tile boundaries; two pieces: two ranges; four or more, or keys for
+    one tile, or gradients of score_mod's tables: one range."""
+    q, k, v = (np.zeros(shape, np.float32) for shape in ((700, 8), (1100, 8), (1100, 8)))
+    problem = api.make_problem(np, q, k, v, None, False, None, None, None)[0]
+    bc = blocked.BACKWARD_BC
+    assert blocked.key_ranges(problem, None, 1, {}) == [(0, bc), (bc, 2 * bc), (2 * bc, 1100)]
+    assert blocked.key_ranges(problem, None, 2, {}) == [(0, 2 * bc), (2 * bc, 1100)]
+    assert blocked.key_ranges(problem, None, blocked.KEY_SPLIT_PIECES, {}) == [(0, 1100)]
+    assert blocked.key_ranges(problem, None, 1, {0: None}) == [(0, 1100)]
+    assert blocked.key_ranges(problem, (64, 64), 1, {}) == [(0, 1100)]
+
+
+def test_workers_run_pieces_side_by_side_with_blas_on_one_thread():
+    """Two pieces meet at a barrier (so they ran at once), each seeing OpenBLAS held to one thread, as are two
+    pieces on the calling thread; its count is restored afterwards, and a piece's exception reaches the caller."""
+    blas = workers.blas()
+    if blas.set is None:
+        pytest.skip("OpenBLAS's thread count is not reachable here")
+    before = blas.get()
+    barrier, seen = threading.Barrier(2, timeout=30), []
+
+    def piece(_):
+        barrier.wait()
+        seen.append(blas.get())
+    workers.run_all(piece, range(2), threads=2)
+    assert seen == [1, 1] and blas.get() == before
+    seen.clear()  # two pieces on the calling thread: BLAS on one thread too, so the bits are the threads' bits
+    workers.run_all(lambda _: seen.append(blas.get()), range(2), threads=1)
+    assert seen == [1, 1] and blas.get() == before
+
+    def failing(x):
+        if x == 1:
+            raise ValueError("piece 1")
+    with pytest.raises(ValueError, match="piece 1"):
+        workers.run_all(failing, range(3), threads=2)
+    assert blas.get() == before
+    assert workers.consecutive_groups([(0, 1), (0, 2), (slice(0, 2), 3), (0, 4)], key=lambda x: x[0]) == [
+        [(0, 1), (0, 2)], [(slice(0, 2), 3)], [(0, 4)]]
 
 
 @pytest.mark.parametrize("shapes", [((0, 4), (5, 4), (5, 3)), ((4, 4), (0, 4), (0, 3)), ((4, 0), (5, 0), (5, 3)),
