@@ -31,7 +31,7 @@ def marker_line(marker):
 
 
 def run_child(case):
-    env = simt.sanitizer_env("race", mode=None)
+    env = simt.sanitizer_env("race")  # CUFLASH_SIMT_MODE=race: the project's kernels are built for TSan too
     env["OPENBLAS_NUM_THREADS"] = "1"  # TSan cannot see OpenBLAS's own pool synchronize (the reference's matmuls)
     env["PYTHONPATH"] = os.pathsep.join([str(simt_util.ROOT), str(HERE), str(simt_util.ROOT / "tests"),
                                          os.environ.get("PYTHONPATH", "")])
