@@ -105,13 +105,14 @@ def test_row_terms_shift_a_row_that_saw_nothing_by_zero():
 
 
 @pytest.mark.parametrize("dtype, d, e, options, block, variant", [
-    (np.float32, 64, 64, {"causal": True}, None, "fma"),
+    (np.float32, 64, 64, {"causal": True}, BlockConfig(64, 64, 8, stages=2), "fma"),
+    (np.float64, 64, 64, {"causal": True}, None, "mma"),
     (np.float16, 128, 40, {"window": (50, 3)}, None, "mma"),
     (ml_dtypes.bfloat16, 32, 24, {"causal": True}, BlockConfig.mma(32, 32, 1, stages=1), "mma"),
 ])
 def test_the_planners_configurations(dtype, d, e, options, block, variant):
-    """The heuristic's tiles (CUDA cores: 8 warps; tensor cores: 4 warps of one m16 tile) and two m16 tiles per
-    warp: several tiles each way, a ragged last one."""
+    """The heuristic's tiles (CUDA cores: 8 warps; tensor cores: 4 warps of one m16 tile; float64 on DMMA) and two
+    m16 tiles per warp: several tiles each way, a ragged last one."""
     rng = np.random.default_rng(1)
     q, k, v = randn(rng, (2, 97, d), dtype), randn(rng, (2, 150, d), dtype), randn(rng, (2, 150, e), dtype)
     problem = problem_and_outputs(q, k, v, **options)[0]
@@ -227,9 +228,12 @@ def test_a_block_that_cannot_run_is_refused_with_reasons():
         cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=BlockConfig(8, 16, 2))
     with pytest.raises(ValueError, match="head_tile=32 is not supported by the backward kernels"):
         cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=BlockConfig(16, 16, 2, head_tile=32))
-    with pytest.raises(ValueError, match="the tensor-core backward .variant 'mma'. runs float16 and bfloat16, not "
-                                         "float32"):
-        cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=SMALL_MMA)
+    with pytest.raises(ValueError, match="precision='fma' asks for CUDA cores: the tensor-core backward .variant "
+                                         "'mma'. does not run"):
+        cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=SMALL_MMA, precision="fma")
+    with pytest.raises(ValueError, match="the tensor-core backward .variant 'mma'. runs float16, bfloat16, float32 "
+                                         "and float64, not int8"):
+        tiling.backward_plans(Shape(np.int8, 8, 8), simt.DEVICE, SMALL_MMA)
 
 
 @pytest.mark.memcheck
