@@ -53,6 +53,15 @@ class TensorCoreBackward(BackwardFamily):
             reasons.append(f"head dims d={shape.d}, e={shape.e}: the tensor-core backward holds a block's "
                            f"gradients whole and takes d, e <= {MAX_HEAD_DIM}; the CUDA-core backward "
                            f"(variant 'fma') takes larger ones")
+        elif not reasons:
+            smallest = BlockConfig(16, 16, 1, 1, "mma")  # one m16 tile per warp, the narrowest swept tile
+            words, limit = self.accumulator_words(shape, smallest), self.register_bounds(shape)[1]
+            if words > limit:
+                grads = "dK and dV" if self.keys_own else "dQ"
+                reasons.append(f"head dims d={shape.d}, e={shape.e} in {shape.dtype.name}: the tensor-core "
+                               f"backward's {self.kind} kernel holds {grads} of 16 rows per warp whole, {words} "
+                               f"accumulator registers per thread with the smallest tiles, past the {limit} it "
+                               f"holds without spilling; the CUDA-core backward (variant 'fma') runs them")
         return reasons
 
     def buckets(self, shape: Shape, config: BlockConfig) -> Tuple[int, int]:
@@ -116,11 +125,17 @@ class TensorCoreBackward(BackwardFamily):
         return args
 
     def candidates(self, shape: Shape):
+        """The 16-bit types: each swept size with every block of own rows, largest swept tiles first. float32 and
+        float64, whose tiles take two or four times the shared memory: the blocks of 4 warps or more with each swept
+        size first, the smaller ones after (a block of one warp whose shared memory fills the SM leaves the tensor
+        cores waiting on every load)."""
+        pairs = [(swept, own, warps) for swept in SWEPT_SIZES for own, warps in OWN_FIRST]
+        if shape.dtype.itemsize > 2:
+            pairs.sort(key=lambda pair: pair[2] < 4)  # stable: the order within each group kept
         configs = []
-        for swept in SWEPT_SIZES:
-            for own, warps in OWN_FIRST:
-                br, bc = (swept, own) if self.keys_own else (own, swept)
-                configs += [BlockConfig(br, bc, warps, stages, "mma") for stages in STAGES]
+        for swept, own, warps in pairs:
+            br, bc = (swept, own) if self.keys_own else (own, swept)
+            configs += [BlockConfig(br, bc, warps, stages, "mma") for stages in STAGES]
         return [configs]
 
     def limits(self) -> Dict[str, int]:
