@@ -279,7 +279,7 @@ def test_float32_and_float64_tensor_core_backward_under_address_sanitizer():
 @pytest.mark.memcheck
 @pytest.mark.skipif(cuflash.simt.libtsan_path() is None, reason="the C++ compiler has no ThreadSanitizer runtime")
 def test_float32_and_float64_tensor_core_backward_in_race_mode():
-    """The same case under ThreadSanitizer: no race between the warps splitting a swept tile to TF32, the copies
-    of the next one and the products reading it."""
-    result = run_under_race("backward_wide")
+    """3xTF32's part of it under ThreadSanitizer: no race between the warps splitting a swept tile to TF32, the
+    copies of the next one and the products reading it."""
+    result = run_under_race("backward_race")
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]
