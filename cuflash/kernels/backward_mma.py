@@ -21,10 +21,10 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 MAX_HEAD_DIM = 128
 MAX_SWEPT = 128  # a swept tile's hidden-pair bits fit one 32-bit word per quad lane
 REGISTER_TARGET = {"dq": 144, "dkdv": 120}  # dK/dV's kernel keeps two gradients: it spills past 120
+# The same for float32 and float64: float64's accumulators count two words each (accumulator_words), and 3xTF32
+# splits only its own tiles in registers (the swept ones come split); ptxas compiles every choice at d, e <= 128 on
+# sm_80 and sm_90 without spills (tests/test_cubin.py).
 REGISTER_LIMIT = 160
-# float32's and float64's (target, limit) per kernel where they differ: 3xTF32's own tiles are split in registers
-# step by step; float64's accumulators take two registers each (counted so in accumulator_words).
-REGISTER_BOUNDS = {}
 STAGES = (2, 1)  # the swept tiles double-buffered where they fit, else one stage
 OWN_FIRST = ((64, 4), (128, 8), (64, 8), (32, 2), (16, 1))  # (own rows, warps): one m16 tile per warp
 SWEPT_SIZES = (64, 32, 16)
@@ -66,10 +66,6 @@ class TensorCoreBackward(BackwardFamily):
 
     def buckets(self, shape: Shape, config: BlockConfig) -> Tuple[int, int]:
         return bucket(shape.d), bucket(shape.e)
-
-    def register_bounds(self, shape: Shape) -> Tuple[int, int]:
-        return REGISTER_BOUNDS.get((self.kind, shape.dtype.name, shape.precision),
-                                   (self.register_target, self.register_limit))
 
     def shared_memory_bytes(self, shape: Shape, config: BlockConfig) -> int:
         """Q_i, dO_i, K_j, V_j (rows padded by one 16-byte chunk, two for float64: mma::RowPadded), two row terms per
