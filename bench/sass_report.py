@@ -443,7 +443,8 @@ def steps(plan) -> List[Step]:
         item = shape.dtype.itemsize
         per_step = 2 if item == 8 else 3 if shape.precision == "highest" else 1
         own, swept = (Bc, Br) if kind == "dkdv" else (Br, Bc)
-        mt = own // (16 * config.warps)
+        split = plan.family.column_split(shape) if kind == "dkdv" else 1  # float64's pairs of warps per 16 keys
+        mt = own * split // (16 * config.warps)
 
         def product(name, width):
             return Step(name, "mmas", mt * (swept // 8) * (width * item // 32) * per_step)

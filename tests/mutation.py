@@ -350,6 +350,11 @@ MUTANTS = (
         "if (!careful) {\n            add_dv_dk(dS, dS, Q_i, dO_i);")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_kernels_match_reference"],
       "the other tiles' dV accumulates dS^T dO instead of P^T dO"),
+    m("bwd-mma-f64-split-columns",
+      [("d0(at.warp % Split * DS), e0(at.warp % Split * ES)", "d0(at.warp % Split * DS), e0(0)")],
+      [f"{BWD_SIMT_FILE}::test_the_planners_configurations"],
+      "float64's dK dV at d = e = 128 (a pair of warps per 16 keys): both warps of a pair take dV's first half of "
+      "columns, the second half never written"),
     m("bwd-mma-steady-dv-from-ds",
       [("add_dv_dk(P, dS, Q_i, dO_i);",
         "add_dv_dk(dS, dS, Q_i, dO_i);",

@@ -131,12 +131,14 @@ def test_row_terms_shift_a_row_that_saw_nothing_by_zero():
 @pytest.mark.parametrize("dtype, d, e, options, block, variant", [
     (np.float32, 64, 64, {"causal": True}, BlockConfig(64, 64, 8, stages=2), "fma"),
     (np.float64, 64, 64, {"causal": True}, None, "mma"),
+    (np.float64, 128, 128, {"window": (40, 7)}, None, "mma"),  # dK dV: a pair of warps per 16 keys, half the columns
     (np.float16, 128, 40, {"window": (50, 3)}, None, "mma"),
     (ml_dtypes.bfloat16, 32, 24, {"causal": True}, BlockConfig.mma(32, 32, 1, stages=1), "mma"),
 ])
 def test_the_planners_configurations(dtype, d, e, options, block, variant):
-    """The heuristic's tiles (CUDA cores: 8 warps; tensor cores: 4 warps of one m16 tile; float64 on DMMA) and two
-    m16 tiles per warp: several tiles each way, a ragged last one."""
+    """The heuristic's tiles (CUDA cores: 8 warps; tensor cores: 4 warps of one m16 tile; float64 on DMMA, at
+    d = e = 128 its dK and dV split between pairs of warps) and two m16 tiles per warp: several tiles each way, a
+    ragged last one."""
     rng = np.random.default_rng(1)
     q, k, v = randn(rng, (2, 97, d), dtype), randn(rng, (2, 150, d), dtype), randn(rng, (2, 150, e), dtype)
     problem = problem_and_outputs(q, k, v, **options)[0]

@@ -184,7 +184,7 @@ def chosen_backward(arch):
         [Shape(F32, 64, 64), Shape(F32, 128, 128), Shape(F32, 64, 64, precision="tf32"), Shape(F64, 64, 64),
          Shape(F64, 128, 128)]
     return [(w, plan) for w in workloads for plan in tiling.backward_plans(w, device)
-            if plan.config.variant == "mma"]  # float64's dK dV at d = 128: CUDA cores
+            if plan.config.variant == "mma"]
 
 
 def compile_backward(arch):
@@ -255,9 +255,11 @@ def test_backward_steady_loops_hold_the_hot_path(arch):
         own, swept = (plan.config.Bc, plan.config.Br) if plan.family.kind == "dkdv" else \
             (plan.config.Br, plan.config.Bc)
         D, E = plan.family.buckets(workload, plan.config)
-        mt = own // (16 * plan.config.warps)
-        # S and dP over the head dims (n8 tiles of swept columns), then dQ (or dV and dK) over the swept tile
-        grads = (E, D) if plan.family.kind == "dkdv" else (D,)
+        split = plan.family.column_split(workload)  # float64's dK dV at D + E > 128: a pair of warps per 16 keys
+        mt = own * split // (16 * plan.config.warps)
+        # S and dP over the head dims (n8 tiles of swept columns), then dQ (or dV and dK, a share of their columns)
+        # over the swept tile
+        grads = (E // split, D // split) if plan.family.kind == "dkdv" else (D,)
         expected = mt * (swept // 8 * (D + E) // 16 + sum(width // 8 for width in grads) * swept // 16)
         # per m16 x n8 x k16 product: one HMMA.16816; two m16n8k8 in each TF32 pass (three passes for 3xTF32, one
         # for TF32); eight DMMA (two m8n8k4 for the m16 rows, per k4)

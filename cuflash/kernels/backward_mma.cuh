@@ -25,9 +25,10 @@
 // for non-finite values first and, only then, take the product on CUDA cores with hidden pairs skipped
 // (mma::acc_by_selection).
 //
-// Template: T element type; Br queries and Bc keys per tile (the block's own axis is 16 x MT x Warps); D, E
-// head-dim buckets (multiples of 32 up to 128; run-time d, e, tails zero-filled); Warps per block; Stages of the
-// swept tiles (1 or 2); Passes: float's TF32 passes (3 or 1; the other types ignore it).
+// Template: T element type; Br queries and Bc keys per tile (the block's own axis is 16 x MT x Warps, over 2 for
+// double's dK dV at D + E > 128: mma_backward::kColumnSplit); D, E head-dim buckets (multiples of 32 up to 128;
+// run-time d, e, tails zero-filled); Warps per block; Stages of the swept tiles (1 or 2); Passes: float's TF32
+// passes (3 or 1; the other types ignore it).
 #pragma once
 
 #include "backward.cuh"
@@ -41,6 +42,10 @@ constexpr int kMaxSwept = 128;    // a swept tile's hidden-pair bits fit one 32-
 constexpr int kMaxHeadDim = 128;  // D and E: the gradients stay whole in registers
 // Whether a block keeps its swept tiles' low parts beside them in shared memory (float in three TF32 passes).
 template <typename T, int Passes> constexpr bool kLowParts = sizeof(T) == 4 && Passes == 3;
+// Warps that share each 16 own keys of bwd_mma_dkdv, each holding its share of dK's and dV's columns: 2 for double
+// at D + E > 128 (whole 16-row gradients would take 2 (D + E) registers a thread), each warp of a pair taking S^T
+// and dP^T of the same keys; 1 otherwise.
+template <typename T, int D, int E> constexpr int kColumnSplit = sizeof(T) == 8 && D + E > 128 ? 2 : 1;
 }  // namespace mma_backward
 
 // Shared memory of one block (cuflash/kernels/backward_mma.py mirrors it): Q_i and dO_i, K_j and V_j (padded rows), the
@@ -51,8 +56,10 @@ template <typename T, int Passes> constexpr bool kLowParts = sizeof(T) == 4 && P
 template <typename T, int Br, int Bc, int D, int E, int Warps, bool KeysOwn, int Stages = 1, bool Lo = false>
 struct MmaBackwardShared {
     using Acc = typename AccOf<T>::type;
-    static constexpr int Own = KeysOwn ? Bc : Br, Swept = KeysOwn ? Br : Bc, MT = Own / (16 * Warps);
-    static_assert(MT >= 1 && Own == 16 * MT * Warps, "the block's own rows are 16 x Warps x (m16 tiles per warp)");
+    static constexpr int Split = KeysOwn ? mma_backward::kColumnSplit<T, D, E> : 1;  // warps per 16 own rows
+    static constexpr int Own = KeysOwn ? Bc : Br, Swept = KeysOwn ? Br : Bc, MT = Own * Split / (16 * Warps);
+    static_assert(Warps % Split == 0 && MT >= 1 && Own * Split == 16 * MT * Warps,
+                  "the block's own rows are 16 x Warps / Split x (m16 tiles per warp)");
     static_assert(Swept % 16 == 0 && Swept <= mma_backward::kMaxSwept, "the swept tile is a multiple of 16 up to 128");
     static_assert(D % 32 == 0 && E % 32 == 0 && D <= mma_backward::kMaxHeadDim && E <= mma_backward::kMaxHeadDim,
                   "head-dim buckets are multiples of 32");
@@ -400,7 +407,9 @@ struct MmaDkdvBlock {
     using Acc = typename Smem::Acc;
     using Products = mma::Products<T, Passes>;
     static constexpr int kLoBytes = Smem::lo_bytes;  // from a swept tile's element to its low part (3xTF32)
-    static constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Br / 8, DT = D / 8, ET = E / 8;
+    // Split: warps per 16 keys, each with DS of dK's columns and ES of dV's (from d0 and e0).
+    static constexpr int Split = Smem::Split, DS = D / Split, ES = E / Split;
+    static constexpr int Threads = Warps * 32, MT = Smem::MT, NT = Br / 8, DT = DS / 8, ET = ES / 8;
     using QLoader = mma::ChunkLoader<T, Br, D, Threads, Smem::LDD>;
     using OLoader = mma::ChunkLoader<T, Br, E, Threads, Smem::LDE>;
     using Frags = Acc[MT][NT][4];  // S^T, dP^T, P^T or dS^T of the warp's keys: keys by row, queries by column
@@ -429,6 +438,7 @@ struct MmaDkdvBlock {
     const int keys;
     const RowTerm<Acc>* const terms_b;           // the batch item's row terms
     const int warp_row, lane, quad_row, quad_col;  // warp_row: this warp's first key row within the tile
+    const int d0, e0;                              // its first columns of dK and dV
     QLoader& Q_load;
     OLoader& dO_load;
     DGrad& dK;
@@ -439,8 +449,9 @@ struct MmaDkdvBlock {
                                             const mma::Place& at, QLoader& q_load, OLoader& do_load, DGrad& dk,
                                             EGrad& dv)
         : p(params), s(tiles), ops(sweep.ops), order(sweep.order), j0(ops.keys.begin), keys(ops.keys.size()),
-          terms_b(row_terms_of(p.terms, ops.base)), warp_row(at.warp * 16 * MT), lane(at.lane),
-          quad_row(at.quad_row), quad_col(at.quad_col), Q_load(q_load), dO_load(do_load), dK(dk), dV(dv) {}
+          terms_b(row_terms_of(p.terms, ops.base)), warp_row(at.warp / Split * 16 * MT), lane(at.lane),
+          quad_row(at.quad_row), quad_col(at.quad_col), d0(at.warp % Split * DS), e0(at.warp % Split * ES),
+          Q_load(q_load), dO_load(do_load), dK(dk), dV(dv) {}
 
     // K_j and V_j stay for the whole sweep: their copies go out first (they land by the first visit's wait). Then
     // the chunk loaders start at the first plain query tile, and the gradients at 0.
@@ -570,8 +581,8 @@ struct MmaDkdvBlock {
     // dV_j += P^T dO_i and dK_j += dS^T Q_i on tensor cores: P^T and dS^T rounded to T in registers as the A
     // operand (FlashAttention-2's register reuse), dO_i and Q_i through ldmatrix.trans.
     __device__ __forceinline__ void add_dv_dk(const Frags& P, const Frags& dS, const T* Q_i, const T* dO_i) {
-        Products::template kn<MT, Br, E, Smem::LDE>(dV, P, dO_i, lane, kLoBytes);
-        Products::template kn<MT, Br, D, Smem::LDD>(dK, dS, Q_i, lane, kLoBytes);
+        Products::template kn<MT, Br, ES, Smem::LDE>(dV, P, dO_i + e0, lane, kLoBytes);
+        Products::template kn<MT, Br, DS, Smem::LDD>(dK, dS, Q_i + d0, lane, kLoBytes);
     }
 
     // float: the swept tiles of `stage` (Q_i, dO_i) split (3xTF32) or rounded (one pass) to TF32 once for every warp,
@@ -622,18 +633,21 @@ struct MmaDkdvBlock {
         if (!careful) {
             add_dv_dk(P, dS, Q_i, dO_i);
         } else {
-            mma::acc_by_selection<T, Br, E, MT, Smem::LDE, kLoBytes>(dV, P, hidden, s.W, s.H, dO_i, rows, lane);
-            mma::acc_by_selection<T, Br, D, MT, Smem::LDD, kLoBytes>(dK, dS, hidden, s.W, s.H, Q_i, rows, lane);
+            mma::acc_by_selection<T, Br, ES, MT, Smem::LDE, kLoBytes>(dV, P, hidden, s.W, s.H, dO_i + e0, rows,
+                                                                       lane);
+            mma::acc_by_selection<T, Br, DS, MT, Smem::LDD, kLoBytes>(dK, dS, hidden, s.W, s.H, Q_i + d0, rows,
+                                                                       lane);
         }
     }
 
     // dk = scale dK_j (the sweep leaves the softmax scale out of dS), dv = dV_j, from the fragments.
     __device__ __forceinline__ void store() const {
         ptx::cp_async_wait<0>();  // no query sees these keys: K_j and V_j were never waited for
-        mma::store_fragments<MT, D>(ops.row_of(p.dk, kDk, j0), dK, p.scale, ops.strides(kDk).row,
-                                    ops.strides(kDk).col, warp_row, keys, p.d, lane);
-        mma::store_fragments<MT, E>(ops.row_of(p.dv, kDv, j0), dV, kDropout ? Acc(p.dropout.scale) : Acc(1),
-                                    ops.strides(kDv).row, ops.strides(kDv).col, warp_row, keys, p.e, lane);
+        mma::store_fragments<MT, DS>(ops.row_of(p.dk, kDk, j0) + d0 * ops.strides(kDk).col, dK, p.scale,
+                                     ops.strides(kDk).row, ops.strides(kDk).col, warp_row, keys, p.d - d0, lane);
+        mma::store_fragments<MT, ES>(ops.row_of(p.dv, kDv, j0) + e0 * ops.strides(kDv).col, dV,
+                                     kDropout ? Acc(p.dropout.scale) : Acc(1), ops.strides(kDv).row,
+                                     ops.strides(kDv).col, warp_row, keys, p.e - e0, lane);
     }
 };
 

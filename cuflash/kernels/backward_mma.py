@@ -11,6 +11,7 @@ pass) and float64 on DMMA (mma.m8n8k4) where the GPU has fast float64 tensor cor
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Tuple
 
 from ..family import BackwardFamily, BlockConfig, Shape, align16, dropout_bytes
@@ -54,12 +55,13 @@ class TensorCoreBackward(BackwardFamily):
                            f"gradients whole and takes d, e <= {MAX_HEAD_DIM}; the CUDA-core backward "
                            f"(variant 'fma') takes larger ones")
         elif not reasons:
-            smallest = BlockConfig(16, 16, 1, 1, "mma")  # one m16 tile per warp, the narrowest swept tile
+            split = self.column_split(shape)  # one m16 tile per warp (a pair's), the narrowest swept tile
+            smallest = BlockConfig(16, 16, split, 1, "mma")
             words, limit = self.accumulator_words(shape, smallest), self.register_bounds(shape)[1]
             if words > limit:
                 grads = "dK and dV" if self.keys_own else "dQ"
                 reasons.append(f"head dims d={shape.d}, e={shape.e} in {shape.dtype.name}: the tensor-core "
-                               f"backward's {self.kind} kernel holds {grads} of 16 rows per warp whole, {words} "
+                               f"backward's {self.kind} kernel holds {grads} of 16 rows per {split} warps, {words} "
                                f"accumulator registers per thread with the smallest tiles, past the {limit} it "
                                f"holds without spilling; the CUDA-core backward (variant 'fma') runs them")
         return reasons
@@ -91,13 +93,21 @@ class TensorCoreBackward(BackwardFamily):
         """Whether the swept tiles' low parts sit beside them (float32 in three TF32 passes)."""
         return shape.dtype.name == "float32" and shape.precision == "highest"
 
+    def column_split(self, shape: Shape) -> int:
+        """Warps per 16 own rows, each holding its share of the gradients' columns (mma_backward::kColumnSplit): 2
+        for float64's dK dV at D + E > 128, each warp of a pair taking S and dP of the same keys; else 1."""
+        D, E = bucket(shape.d), bucket(shape.e)
+        return 2 if self.keys_own and shape.dtype.name == "float64" and D + E > 128 else 1
+
     def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
-        """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its gradients; float64's
-        take two registers each."""
+        """Per thread: S (then P) and dP (then dS) over its m16 tiles x the swept width, and its share of the
+        gradients; float64's take two registers each."""
         own, swept = self.own_and_swept(config)
-        mt = max(1, own // (ROWS_PER_TILE * config.warps))
+        split = self.column_split(shape)
+        mt = max(1, own * split // (ROWS_PER_TILE * config.warps))
         D, E = self.buckets(shape, config)
-        return mt * (swept + (D + (E if self.keys_own else 0)) // 2) * max(1, shape.dtype.itemsize // 4)
+        grads = (D + (E if self.keys_own else 0)) // split
+        return mt * (swept + grads // 2) * max(1, shape.dtype.itemsize // 4)
 
     def registers_estimate(self, shape: Shape, config: BlockConfig) -> int:
         return min(255, (64 + self.accumulator_words(shape, config) + 7) // 8 * 8)
@@ -109,6 +119,12 @@ class TensorCoreBackward(BackwardFamily):
         if config.head_tile is not None:
             reasons.append(f"head_tile={config.head_tile} is a setting of the CUDA-core forward; the tensor-core "
                            f"backward takes head dims up to {MAX_HEAD_DIM} whole")
+        split = self.column_split(shape)
+        if config.warps % split:
+            return reasons + [f"warps={config.warps} is not supported by the {kernel} in {shape.dtype.name} at d="
+                              f"{shape.d}, e={shape.e}: {split} warps share each 16 keys"]
+        if split > 1:  # the pairs of warps take the m16 tiles
+            config, kernel = dataclasses.replace(config, warps=config.warps // split), f"{kernel} (pairs of warps)"
         return reasons + own_rows_reasons(self.own_name, own, config, kernel) + \
             swept_reasons(self.swept_name, swept, kernel, MAX_SWEPT)
 
@@ -125,7 +141,9 @@ class TensorCoreBackward(BackwardFamily):
         float64, whose tiles take two or four times the shared memory: the blocks of 4 warps or more with each swept
         size first, the smaller ones after (a block of one warp whose shared memory fills the SM leaves the tensor
         cores waiting on every load)."""
-        pairs = [(swept, own, warps) for swept in SWEPT_SIZES for own, warps in OWN_FIRST]
+        split = self.column_split(shape)  # float64's dK dV at D + E > 128: half the own rows, in pairs of warps
+        pairs = [(swept, own // split, warps) for swept in SWEPT_SIZES for own, warps in OWN_FIRST
+                 if warps % split == 0]
         if shape.dtype.itemsize > 2:
             pairs.sort(key=lambda pair: pair[2] < 4)  # stable: the order within each group kept
         configs = []
