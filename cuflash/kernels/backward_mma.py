@@ -141,9 +141,11 @@ class TensorCoreBackward(BackwardFamily):
         float64, whose tiles take two or four times the shared memory: the blocks of 4 warps or more with each swept
         size first, the smaller ones after (a block of one warp whose shared memory fills the SM leaves the tensor
         cores waiting on every load)."""
-        split = self.column_split(shape)  # float64's dK dV at D + E > 128: half the own rows, in pairs of warps
-        pairs = [(swept, own // split, warps) for swept in SWEPT_SIZES for own, warps in OWN_FIRST
-                 if warps % split == 0]
+        # float64's dK dV at D + E > 128: half the own rows, in pairs of warps, and swept tiles of 16 (ptxas spills
+        # 32 at d = 128, e = 64, whose words the register bounds would take)
+        split = self.column_split(shape)
+        sizes = SWEPT_SIZES[-1:] if split > 1 else SWEPT_SIZES
+        pairs = [(swept, own // split, warps) for swept in sizes for own, warps in OWN_FIRST if warps % split == 0]
         if shape.dtype.itemsize > 2:
             pairs.sort(key=lambda pair: pair[2] < 4)  # stable: the order within each group kept
         configs = []
