@@ -401,8 +401,9 @@ def span_tally(code: Sequence[Instr], loop: Loop, trips: Dict[int, int]) -> Tall
 # the tile products (R x C FMAs per thread per source iteration). A compiled loop's trip count is the step's work
 # per thread divided by the work one compiled iteration does (so unrolling is read from the SASS, not assumed):
 # chunks by its 16-byte global loads, elements by its global loads, rows by its shared stores (two per row), FMAs
-# by its FMA instructions. The tensor-core kernels' products are unrolled whole: their inner loops are the loads
-# (in the forward, the prefetch of a later tile), the others cold (CUDA-core fallbacks, scans for inf or NaN).
+# by its FMA instructions. The tensor-core kernels' products are unrolled whole (but float32's and float64's over
+# the head dims, a step a time): their inner loops are the loads (in the forward, the prefetch of a later tile),
+# the others cold (CUDA-core fallbacks, scans for inf or NaN).
 
 LANES_PER_ROW = 16  # kLanesPerRow in kernels/forward.cuh: the lanes of a row group
 
@@ -434,14 +435,24 @@ def steps(plan) -> List[Step]:
     else:
         loads = [load("K_j", Bc, D), load("V_j", Bc, E)]
     if config.variant == "mma":
-        if shape.dtype.itemsize == 2 or kind != "forward":
+        if shape.dtype.itemsize == 2:
             return loads
-        # float32 and float64 take Q K^T step by step in a loop (kernels/mma_tile.cuh's kUnrollSteps): its
-        # tensor instructions per warp are MT x NT x (D / step) x those of one step (3 or 1 TF32, 2 DMMA)
-        mt, item = Br // (16 * config.warps), shape.dtype.itemsize
+        # float32 and float64 take Q K^T step by step in a loop (kernels/mma_tile.cuh's kUnrollSteps), and so do
+        # the backward's products over the head dims (backward_mma.cuh's Products::nk): tensor instructions per
+        # warp are MT x (swept columns / 8) x (D / step) x those of one step (3 or 1 TF32, 2 DMMA)
+        item = shape.dtype.itemsize
         per_step = 2 if item == 8 else 3 if shape.precision == "highest" else 1
-        mmas = mt * (Bc // 8) * (D * item // 32) * per_step
-        return loads + [Step("S = Q K^T over d", "mmas", mmas)]
+        own, swept = (Bc, Br) if kind == "dkdv" else (Br, Bc)
+        split = plan.family.column_split(shape) if kind == "dkdv" else 1  # float64's pairs of warps per 16 keys
+        mt = own * split // (16 * config.warps)
+
+        def product(name, width):
+            return Step(name, "mmas", mt * (swept // 8) * (width * item // 32) * per_step)
+        if kind == "forward":
+            return loads + [product("S = Q K^T over d", D)]
+        if kind == "dkdv":
+            return loads + [product("S^T = K Q^T over d", D), product("dP^T = V dO^T over e", E)]
+        return loads + [product("S = Q K^T over d", D), product("dP = dO V^T over e", E)]
     own = (Bc if kind == "dkdv" else Br) // (threads // LANES_PER_ROW)  # rows of the block's own tile per thread
     products = {
         "forward": [("S = Q K^T over d", Bc, d), ("O += P V over Bc", E, Bc)],

@@ -129,6 +129,18 @@ def problem_and_outputs(q, k, v, **options):
     return captured["problem"], captured["out"], captured["lse"]
 
 
+def run_under_race(case):
+    """Run memcheck_cases.py's CASE in a child with ThreadSanitizer preloaded and the emulator in race mode (a race
+    between a block's threads, or between blocks, ends it with exit status 66); returns the CompletedProcess."""
+    import cuflash.simt
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = cuflash.simt.sanitizer_env("race")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here])
+    return subprocess.run([sys.executable, os.path.join(here, "memcheck_cases.py"), case], env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
 def run_under_memcheck(case):
     """Run memcheck_cases.py's CASE in a child with AddressSanitizer preloaded and the emulator in memcheck mode
     (ASan stops the process at its first report); returns the CompletedProcess."""

@@ -118,7 +118,7 @@ def case_backward():
     dout = randn(rng, out.shape, np.float32)
     for block in [BlockConfig(16, 16, 2), None]:
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", block=block, bias_grad=True,
-                                           **options)
+                                           precision="fma", **options)
         assert_grads_accurate(grads, dout, q, k, v, **options)
     # The tensor-core kernels: cp.async and element loads, the careful path (a hidden key holding inf)
     q, k, v = (x.astype(np.float16) for x in (q, k, v))
@@ -137,6 +137,31 @@ def case_backward():
         for block in [(16, 16), BlockConfig.mma(16, 16, 1, stages=1), None]:
             grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", block=block, **options)
             assert_grads_accurate(grads, dout, q, k, v, **options)
+
+
+def case_backward_wide(cases=((np.float32, None), (np.float32, "tf32"), (np.float64, None))):
+    """The float32 (3xTF32 and one TF32 pass) and float64 (DMMA) tensor-core backward: tails of both tiles, strided
+    and reversed views, mask, bias with its gradient, window, the careful path (a hidden key holding inf), two warps
+    splitting each swept tile to TF32 with the next one's copies in flight."""
+    rng = np.random.default_rng(9)
+    for dtype, precision in cases:
+        q = randn(rng, (2, 37, 2 * 19), dtype)[..., ::2]
+        k, v = randn(rng, (1, 45, 19), dtype), randn(rng, (2, 45, 23), dtype)[:, ::-1]
+        k[0, 3, 0] = np.inf
+        mask = rng.random((37, 45)) < 0.8
+        mask[:, 3] = False
+        bias = randn(rng, (2, 1, 45), dtype)
+        options = dict(mask=mask, bias=bias, window=(9, 4))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+        dout = randn(rng, out.shape, dtype)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", block=BlockConfig.mma(32, 32, 2, 2),
+                                           bias_grad=True, precision=precision, **options)
+        assert_grads_accurate(grads, dout, q, k, v, precision=precision, **options)
+
+
+def case_backward_race():
+    """case_backward_wide's 3xTF32 part, for race mode: the warps' split of each swept tile between barriers."""
+    case_backward_wide(((np.float32, None),))
 
 
 def case_patterns():

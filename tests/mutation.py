@@ -77,6 +77,9 @@ PTX = "tests/simt/test_simt_ptx.py"
 BACKWARD = "tests/test_backward.py"
 BWD_SIMT_FILE = "tests/test_backward_simt.py"
 BWD_SIMT = f"{BWD_SIMT_FILE}::test_matches_reference"
+BWD_WIDE = f"{BWD_SIMT_FILE}::test_float32_and_float64_tensor_core_kernels_match_reference"
+BWD_WIDE_STEADY = f"{BWD_SIMT_FILE}::test_float32_and_float64_steady_loops_match_reference"
+BWD_NON_FINITE = f"{BWD_SIMT_FILE}::test_hidden_non_finite_keys_never_leak"
 VARLEN = "tests/test_varlen.py"
 PAGED = "tests/test_paged.py"
 DROPOUT = "tests/test_dropout.py"
@@ -346,7 +349,8 @@ MUTANTS = (
       [BWD_SIMT],
       "the last key of each tile gets no bias gradient"),
     m("bwd-mma-careless",
-      [("const bool careful = partial && __syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads>(K_j, cols));",
+      [("const bool careful = partial && "
+        "__syncthreads_or(mma::tile_nonfinite<T, Bc, D, Threads, Smem::LDD>(K_j, cols));",
         "const bool careful = false;")],
       [f"{BWD_SIMT_FILE}::test_hidden_non_finite_keys_never_leak"],
       "dQ on tensor cores even where a hidden key holds inf: 0 * inf = NaN leaks into dq"),
@@ -360,6 +364,11 @@ MUTANTS = (
         "if (!careful) {\n            add_dv_dk(dS, dS, Q_i, dO_i);")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_kernels_match_reference"],
       "the other tiles' dV accumulates dS^T dO instead of P^T dO"),
+    m("bwd-mma-f64-split-columns",
+      [("d0(at.warp % Split * DS), e0(at.warp % Split * ES)", "d0(at.warp % Split * DS), e0(0)")],
+      [f"{BWD_SIMT_FILE}::test_the_planners_configurations"],
+      "float64's dK dV at d = e = 128 (a pair of warps per 16 keys): both warps of a pair take dV's first half of "
+      "columns, the second half never written"),
     m("bwd-mma-steady-dv-from-ds",
       [("add_dv_dk(P, dS, Q_i, dO_i);",
         "add_dv_dk(dS, dS, Q_i, dO_i);",
@@ -377,6 +386,45 @@ MUTANTS = (
         "seen_whole(ops.queries, Br, ops.keys.begin, Bc, -ops.offset, left, right)")],
       [f"{BWD_SIMT_FILE}::test_tensor_core_plain_tiles_inside_a_window"],
       "dK dV's plain query tiles from the window as the queries see it, not transposed: edge tiles taken as plain"),
+    # ---- the tensor-core backward of float32 (3xTF32, TF32) and float64 (DMMA)
+    m("bwd-mma-f32-own-tiles-one-pass",
+      [("split_tf32(x, f.hi[i], f.lo[i]);", "f.hi[i] = ptx::cvt_rna_tf32(x), f.lo[i] = 0u;",
+        "template <int Passes> struct Products<float, Passes> {")],
+      [BWD_WIDE],
+      "3xTF32's own tiles and P, dS without their low parts: one TF32 pass where float32 is promised"),
+    m("bwd-mma-f32-swept-lo-unread",
+      [("ptx::ldmatrix_x4(b.lo, b_at + (16 * np * LDB + 8 * kk) * 4 + lo_bytes);",
+        "ptx::ldmatrix_x4(b.lo, b_at + (16 * np * LDB + 8 * kk) * 4);")],
+      [BWD_WIDE],
+      "S and dP take the swept tile's high parts for its low ones: a_lo b_hi + a_hi b_hi + a_hi b_hi"),
+    m("bwd-mma-f32-kn-column-order",
+      [("const float w[4] = {W[mt][kk][0], W[mt][kk][2], W[mt][kk][1], W[mt][kk][3]};",
+        "const float w[4] = {W[mt][kk][0], W[mt][kk][1], W[mt][kk][2], W[mt][kk][3]};")],
+      [BWD_WIDE],
+      "dV += P^T dO and dQ += dS K on TF32: the accumulators' columns 2t, 2t + 1 taken as the k indices t, t + 4"),
+    m("bwd-mma-f32-split-without-barrier",
+      [("Math::template prepare<Bc, E, Smem::LDE, Threads>(s.V + stage * Bc * Smem::LDE, kLoBytes);\n"
+        "__syncthreads();",
+        "Math::template prepare<Bc, E, Smem::LDE, Threads>(s.V + stage * Bc * Smem::LDE, kLoBytes);")],
+      [f"{BWD_SIMT_FILE}::test_float32_and_float64_tensor_core_backward_in_race_mode"],
+      "dQ's warps read K_j and V_j while the others still split them to TF32 (a race the emulator's schedules do "
+      "not show: its warps meet at the products' first collective)"),
+    m("bwd-mma-f32-careful-without-low-parts",
+      [("if constexpr (LoBytes != 0)", "if constexpr (false)")],
+      [BWD_NON_FINITE],
+      "the CUDA-core path of tiles with hidden non-finite rows takes float32's high TF32 parts alone"),
+    m("bwd-mma-model-low-parts-of-the-own-tiles",
+      [("low_parts = (k_tiles if not self.keys_own else q_tiles)",
+        "low_parts = (q_tiles if not self.keys_own else k_tiles)")],
+      [f"{BWD_SIMT_FILE}::test_float32_and_float64_tensor_core_backward_under_address_sanitizer"],
+      "the planner's shared-memory model counts 3xTF32's low parts of the block's own tiles, not of the swept ones: "
+      "the launch gives a block less shared memory than its kernel uses (tests/test_cubin.py's layout check "
+      "refuses it too, as a static_assert)"),
+    m("bwd-mma-f64-careful-pitch",
+      [("mma::acc_by_selection<T, Bc, D, MT, Smem::LDD, kLoBytes>(",
+        "mma::acc_by_selection<T, Bc, D, MT, mma::Padded<D, T>::ld, kLoBytes>(")],
+      [BWD_NON_FINITE],
+      "dQ's CUDA-core path reads float64's K_j with 16 bytes of padding per row where it has 32"),
     m("bwd-row-terms-no-empty-rows",
       [("terms[..., 0] = xp.where(lse == -np.inf, acc.type(0), shift)",
         "terms[..., 0] = shift")],

@@ -200,9 +200,13 @@ def attention_grads_reference(dout, q, k, v, *, scale=None, causal=False, window
     return grads + [None if bias is None else reduce_to_shape(dbias, np.shape(bias))]
 
 
-def naive_grads_in_dtype(dout, q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None):
+def naive_grads_in_dtype(dout, q, k, v, *, scale=None, causal=False, window=None, mask=None, bias=None,
+                         tf32=False):
     """Naive materialized backward with every intermediate (S, P, dP, dS, the gradients) rounded to the input
-    dtype, matmuls accumulating in float32 (float64 for float64): the error budget of the backward."""
+    dtype, matmuls accumulating in float32 (float64 for float64): the error budget of the backward. tf32
+    (float32): the operands of every product (q, k, dout, v, P and dS) rounded to TF32 too, as one TF32
+    tensor-core pass rounds them."""
+    t = round_tf32 if tf32 else (lambda x: x)
     dtype = np.dtype(result_dtype_name(q, k, v))
     acc = np.float64 if dtype == np.float64 else np.float32
     shapes = [np.shape(x) for x in (q, k, v)]
@@ -213,20 +217,20 @@ def naive_grads_in_dtype(dout, q, k, v, *, scale=None, causal=False, window=None
         scale = 1.0 / math.sqrt(d) if d else 1.0
     vis = visible_pairs(n, m, causal, window, mask, bias)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        s = round_to(np.matmul(q, np.swapaxes(k, -1, -2)) * acc(scale), dtype)
+        s = round_to(np.matmul(t(q), np.swapaxes(t(k), -1, -2)) * acc(scale), dtype)
         if bias is not None:
             s = round_to(s + np.asarray(bias).astype(acc), dtype)
         s = np.where(vis, s, -np.inf)
         top = s.max(axis=-1, keepdims=True, initial=-np.inf)
         w = np.exp(s - np.where(top == -np.inf, 0, top))
         p = np.where(vis, round_to(w / w.sum(axis=-1, keepdims=True), dtype), 0)
-        dp = np.where(vis, round_to(np.matmul(dout, np.swapaxes(v, -1, -2)), dtype), 0)  # by selection
+        dp = np.where(vis, round_to(np.matmul(t(dout), np.swapaxes(t(v), -1, -2)), dtype), 0)  # by selection
         ds = np.where(vis, round_to(p * (dp - (p * dp).sum(axis=-1, keepdims=True)), dtype), 0)
         # Hidden pairs have dS = 0 exactly; a NaN in a hidden key must not turn that 0 into NaN (the forward's
         # naive does the same with v).
-        dq = round_to(acc(scale) * np.matmul(ds, np.where(np.isfinite(k), k, 0)), dtype)
-        dk = round_to(acc(scale) * np.matmul(np.swapaxes(ds, -1, -2), np.where(np.isfinite(q), q, 0)), dtype)
-        dv = round_to(np.matmul(np.swapaxes(p, -1, -2), dout), dtype)
+        dq = round_to(acc(scale) * np.matmul(t(ds), t(np.where(np.isfinite(k), k, 0))), dtype)
+        dk = round_to(acc(scale) * np.matmul(np.swapaxes(t(ds), -1, -2), t(np.where(np.isfinite(q), q, 0))), dtype)
+        dv = round_to(np.matmul(np.swapaxes(t(p), -1, -2), t(dout)), dtype)
     grads = [reduce_to_shape(g.astype(np.float64), shape) for g, shape in zip((dq, dk, dv), shapes)]
     return grads + [None if bias is None else reduce_to_shape(ds.astype(np.float64), np.shape(bias))]
 
@@ -268,18 +272,23 @@ def gradient_condition(dout, q, k, v, unit, o_unit, *, scale=None, causal=False,
         c.shape, np.shape(bias))), np.shape(bias))]
 
 
-def assert_grads_accurate(grads, dout, q, k, v, **options):
+def assert_grads_accurate(grads, dout, q, k, v, *, precision=None, **options):
     """The accuracy rule for gradients, per gradient array: NaN exactly where the float64 reference has NaN, and
     elsewhere |grad - reference| <= 2 * (naive backward's largest error in the input dtype) + an absolute term:
     ABS_TOL plus one rounding to the dtype (its epsilon), of the gradient's largest magnitude (at least 1), and
     per element gradient_condition with four roundings in the accumulation type and one of O. The rounding of the
     result is the one error every gradient in that dtype has (naive's may miss it on the element where a backend's is
     largest); the cancellation in dS is the one every FlashAttention backward has (naive's P.dP form may cancel
-    exactly where dO.O does not, as with a single visible key)."""
+    exactly where dO.O does not, as with a single visible key).
+
+    precision="tf32" (float32 in one TF32 pass) is held to the same rule with TF32 in place of float32 where the
+    products round: naive's products of TF32-rounded operands (naive_grads_in_dtype's tf32), and the condition's
+    roundings TF32's. Any other precision: float32's own rule."""
     refs = attention_grads_reference(dout, q, k, v, **options)
-    naives = naive_grads_in_dtype(dout, q, k, v, **options)
     dtype = np.dtype(result_dtype_name(q, k, v))
-    unit = UNIT_ROUNDOFF["float64" if dtype == np.float64 else "float32"]
+    tf32 = precision == "tf32" and dtype == np.float32
+    naives = naive_grads_in_dtype(dout, q, k, v, tf32=tf32, **options)
+    unit = UNIT_ROUNDOFF["float64" if dtype == np.float64 else "tf32" if tf32 else "float32"]
     conds = gradient_condition(dout, q, k, v, 4 * unit, EPSILON[dtype.name] / 2, **options)
     for name, grad, ref, naive, cond in zip(("dq", "dk", "dv", "dbias"), grads, refs, naives, conds):
         if ref is None:

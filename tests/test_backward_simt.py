@@ -18,7 +18,7 @@ from cuflash import BlockConfig, launch, tiling
 from cuflash.backends import numpy as numpy_backend
 from cuflash.backends import simt
 from cuflash.family import Shape
-from harness import problem_and_outputs, run_under_memcheck
+from harness import problem_and_outputs, run_under_memcheck, run_under_race
 from reference import assert_grads_accurate
 from strategies import cases, randn
 
@@ -26,20 +26,21 @@ pytestmark = pytest.mark.skipif(not cuflash.simt.available(), reason="the SIMT e
 
 OPTIONS = ("scale", "causal", "window", "mask", "bias")
 SMALL = BlockConfig(16, 16, 2)  # many tiles on small problems; one instantiation per dtype for d, e <= 16
-SMALL_MMA = BlockConfig.mma(16, 16, 1, stages=1)  # the tensor-core kernels' smallest tiles (float16, bfloat16)
+SMALL_MMA = BlockConfig.mma(16, 16, 1, stages=1)  # the tensor-core kernels' smallest tiles (every dtype)
+TWO_WARPS = BlockConfig.mma(32, 32, 2, stages=2)  # two warps sharing each swept tile (float32: its TF32 split)
 
 
 def options_of(case):
     return {key: case.options[key] for key in OPTIONS if key in case.options}
 
 
-def backward(q, k, v, dout=None, seed=0, block=None, bias_grad=False, **options):
+def backward(q, k, v, dout=None, seed=0, block=None, bias_grad=False, precision=None, **options):
     """(dout, gradients of the simt backward); the forward that makes out and lse is the numpy backend's."""
     out, lse = cuflash.attention(q, k, v, return_lse=True, backend="numpy", **options)
     if dout is None:
         dout = randn(seed, out.shape, np.float64).astype(out.dtype)
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", block=block, bias_grad=bias_grad,
-                                       **options)
+                                       precision=precision, **options)
     return dout, grads
 
 
@@ -79,6 +80,29 @@ def test_tensor_core_steady_loops_match_reference(case, block):
     assert_grads_accurate(grads, dout, case.q, case.k, case.v, **options)
 
 
+@given(cases(dtypes=(np.float32, np.float64), mixed_dtypes=False, lengths=(1, 5, 33, 70), head_dims=(1, 8, 13, 32),
+             max_batch_dims=1), st.sampled_from([(16, 16), SMALL_MMA]), st.sampled_from([None, "tf32"]))
+@settings(max_examples=30)
+def test_float32_and_float64_tensor_core_kernels_match_reference(case, block, precision):
+    """The same properties on the float32 (3xTF32, and one TF32 pass under the rule with TF32 roundings) and
+    float64 (DMMA) tensor-core backward: one warp, 16 x 16 tiles, one stage and two."""
+    options = options_of(case)
+    dout, grads = backward(case.q, case.k, case.v, block=block, bias_grad=options.get("bias") is not None,
+                           precision=precision, **options)
+    assert_grads_accurate(grads, dout, case.q, case.k, case.v, precision=precision, **options)
+
+
+@given(cases(dtypes=(np.float32, np.float64), mixed_dtypes=False, lengths=(33, 70), head_dims=(16, 32), masks=False,
+             biases=False, views=("contiguous", "stride0"), max_batch_dims=1), st.sampled_from([None, "tf32"]))
+@settings(max_examples=12)
+def test_float32_and_float64_steady_loops_match_reference(case, precision):
+    """Their steady loops (whole tiles of 16-byte rows through the chunk loaders, each split to TF32 once for
+    both warps of a block), the plain tiles first, short last ones after them."""
+    options = options_of(case)
+    dout, grads = backward(case.q, case.k, case.v, block=TWO_WARPS, precision=precision, **options)
+    assert_grads_accurate(grads, dout, case.q, case.k, case.v, precision=precision, **options)
+
+
 @pytest.mark.parametrize("window", [(40, 17), (17, 40), (None, -8), (9, None)])
 def test_tensor_core_plain_tiles_inside_a_window(window):
     """Windows wide enough for whole plain tiles between their edges, on both axes: dQ's plain key tiles and dK
@@ -105,13 +129,16 @@ def test_row_terms_shift_a_row_that_saw_nothing_by_zero():
 
 
 @pytest.mark.parametrize("dtype, d, e, options, block, variant", [
-    (np.float32, 64, 64, {"causal": True}, None, "fma"),
+    (np.float32, 64, 64, {"causal": True}, BlockConfig(64, 64, 8, stages=2), "fma"),
+    (np.float64, 64, 64, {"causal": True}, None, "mma"),
+    (np.float64, 128, 128, {"window": (40, 7)}, None, "mma"),  # dK dV: a pair of warps per 16 keys, half the columns
     (np.float16, 128, 40, {"window": (50, 3)}, None, "mma"),
     (ml_dtypes.bfloat16, 32, 24, {"causal": True}, BlockConfig.mma(32, 32, 1, stages=1), "mma"),
 ])
 def test_the_planners_configurations(dtype, d, e, options, block, variant):
-    """The heuristic's tiles (CUDA cores: 8 warps; tensor cores: 4 warps of one m16 tile) and two m16 tiles per
-    warp: several tiles each way, a ragged last one."""
+    """The heuristic's tiles (CUDA cores: 8 warps; tensor cores: 4 warps of one m16 tile; float64 on DMMA, at
+    d = e = 128 its dK and dV split between pairs of warps) and two m16 tiles per warp: several tiles each way, a
+    ragged last one."""
     rng = np.random.default_rng(1)
     q, k, v = randn(rng, (2, 97, d), dtype), randn(rng, (2, 150, d), dtype), randn(rng, (2, 150, e), dtype)
     problem = problem_and_outputs(q, k, v, **options)[0]
@@ -143,18 +170,19 @@ def test_every_gradient_element_is_written():
     assert (poisoned[0][:, 4] == 0).all()
 
 
-@pytest.mark.parametrize("schedule", ["reverse", "20261201"])
-def test_the_same_bits_in_every_schedule(schedule):
+@pytest.mark.parametrize("schedule, block", [("reverse", SMALL), ("20261201", SMALL), ("reverse", TWO_WARPS)])
+def test_the_same_bits_in_every_schedule(schedule, block):
     """Each gradient element has one writer and a fixed order of sums: other orders of the threads between
-    barriers give the same bits (a missing barrier would not)."""
+    barriers give the same bits (a missing barrier would not); on tensor cores too (float32: the swept tiles
+    split to TF32 by both warps, between two barriers)."""
     rng = np.random.default_rng(3)
     q, k, v = randn(rng, (2, 40, 16)), randn(rng, (2, 45, 16)), randn(rng, (2, 45, 9))
     bias = randn(rng, (40, 45))
-    dout, first = backward(q, k, v, block=SMALL, bias=bias, bias_grad=True, causal=True)
+    dout, first = backward(q, k, v, block=block, bias=bias, bias_grad=True, causal=True)
     old = os.environ.get("CUFLASH_SIMT_SEED")
     os.environ["CUFLASH_SIMT_SEED"] = schedule
     try:
-        second = backward(q, k, v, dout=dout, block=SMALL, bias=bias, bias_grad=True, causal=True)[1]
+        second = backward(q, k, v, dout=dout, block=block, bias=bias, bias_grad=True, causal=True)[1]
     finally:
         if old is None:
             del os.environ["CUFLASH_SIMT_SEED"]
@@ -165,10 +193,12 @@ def test_the_same_bits_in_every_schedule(schedule):
     assert_grads_accurate(first, dout, q, k, v, bias=bias, causal=True)
 
 
-@pytest.mark.parametrize("dtype, block", [(np.float32, SMALL), (np.float16, SMALL_MMA)])
+@pytest.mark.parametrize("dtype, block", [(np.float32, SMALL), (np.float16, SMALL_MMA), (np.float32, SMALL_MMA),
+                                          (np.float64, SMALL_MMA)])
 def test_hidden_non_finite_keys_never_leak(dtype, block):
     """Hidden keys and values holding inf and NaN, and a query row that sees nothing holding inf: on tensor
-    cores such tiles take the products on CUDA cores with hidden pairs skipped."""
+    cores such tiles take the products on CUDA cores with hidden pairs skipped (float32: each value its high and
+    low TF32 parts added back)."""
     rng = np.random.default_rng(5)
     q, k, v = randn(rng, (20, 8), dtype), randn(rng, (30, 8), dtype), randn(rng, (30, 5), dtype)
     mask = np.ones((20, 30), bool)
@@ -227,13 +257,31 @@ def test_a_block_that_cannot_run_is_refused_with_reasons():
         cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=BlockConfig(8, 16, 2))
     with pytest.raises(ValueError, match="head_tile=32 is not supported by the backward kernels"):
         cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=BlockConfig(16, 16, 2, head_tile=32))
-    with pytest.raises(ValueError, match="the tensor-core backward .variant 'mma'. runs float16 and bfloat16, not "
-                                         "float32"):
-        cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=SMALL_MMA)
+    with pytest.raises(ValueError, match="precision='fma' asks for CUDA cores: the tensor-core backward .variant "
+                                         "'mma'. does not run"):
+        cuflash.attention_backward(out, q, q, q, out, lse, backend="simt", block=SMALL_MMA, precision="fma")
+    with pytest.raises(ValueError, match="the tensor-core backward .variant 'mma'. runs float16, bfloat16, float32 "
+                                         "and float64, not int8"):
+        tiling.backward_plans(Shape(np.int8, 8, 8), simt.DEVICE, SMALL_MMA)
 
 
 @pytest.mark.memcheck
 def test_backward_under_address_sanitizer():
     """Both backward kernels in the emulator's memcheck mode: any out-of-bounds global or shared access aborts."""
     result = run_under_memcheck("backward")
+    assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]
+
+
+@pytest.mark.memcheck
+def test_float32_and_float64_tensor_core_backward_under_address_sanitizer():
+    result = run_under_memcheck("backward_wide")
+    assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]
+
+
+@pytest.mark.memcheck
+@pytest.mark.skipif(cuflash.simt.libtsan_path() is None, reason="the C++ compiler has no ThreadSanitizer runtime")
+def test_float32_and_float64_tensor_core_backward_in_race_mode():
+    """3xTF32's part of it under ThreadSanitizer: no race between the warps splitting a swept tile to TF32, the
+    copies of the next one and the products reading it."""
+    result = run_under_race("backward_race")
     assert result.returncode == 0 and "memcheck ok" in result.stdout, result.stderr[-4000:]

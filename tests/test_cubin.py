@@ -180,8 +180,11 @@ def test_shared_memory_model_matches_the_kernel(arch):
 def chosen_backward(arch):
     """(workload, plan) of both backward kernels the planner picks per head dim on the arch's GPU."""
     device = GPUS[arch]
-    workloads = [Shape(F16, 64, 64), Shape(F16, 128, 128), Shape(BF16, 64, 64), Shape(F16, 128, 40)]
-    return [(w, plan) for w in workloads for plan in tiling.backward_plans(w, device)]
+    workloads = [Shape(F16, 64, 64), Shape(F16, 128, 128), Shape(BF16, 64, 64), Shape(F16, 128, 40)] + \
+        [Shape(F32, 64, 64), Shape(F32, 128, 128), Shape(F32, 64, 64, precision="tf32"), Shape(F64, 64, 64),
+         Shape(F64, 128, 128)]
+    return [(w, plan) for w in workloads for plan in tiling.backward_plans(w, device)
+            if plan.config.variant == "mma"]
 
 
 def compile_backward(arch):
@@ -207,7 +210,7 @@ def test_backward_sass_uses_tensor_cores_without_local_memory(arch):
         sass, usage = built[plan.name]
         ops = opcodes(sass)
         assert plan.config.variant == "mma", (workload, plan.config)
-        missing = {"HMMA", "LDSM", "LDGSTS"} - ops
+        missing = ({"DMMA", "LDGSTS"} if workload.dtype == F64 else {"HMMA", "LDSM", "LDGSTS"}) - ops
         assert not missing, f"{plan.name} on {arch} lacks {sorted(missing)}"
         local = sorted(op for op in ops if op in ("LDL", "STL"))
         assert not local, f"{plan.name} on {arch} uses local memory ({local})"
@@ -223,15 +226,17 @@ def test_backward_shared_memory_model_matches_the_kernel():
 
     for family in (backward_mma.DQ, backward_mma.DKDV):
         layouts = {}
-        for ctype, dtype in (("__half", F16), ("__nv_bfloat16", BF16)):
+        for dtype, precision in ((F16, "highest"), (BF16, "highest"), (F32, "highest"), (F32, "tf32"),
+                                 (F64, "highest")):
             for d, e in ((32, 32), (64, 59), (128, 100)):
-                shape = Shape(dtype, d, e)
+                shape = Shape(dtype, d, e, precision=precision)
                 taken = [c for c in family.candidates(shape)[0] if not family.config_reasons(shape, c)]
                 for config in taken[:6]:  # the configurations the kernel takes (its struct asserts their shapes)
-                    args = ", ".join(map(str, family.template_args(Shape(dtype, d, e), config, False)[:6]))
+                    args = ", ".join(map(str, family.template_args(shape, config, False)[:6]))
                     keys_own = "true" if family.kind == "dkdv" else "false"
-                    layouts[f"{args}, {keys_own}, {config.stages}"] = \
-                        family.shared_memory_bytes(Shape(dtype, d, e), config)
+                    low_parts = "true" if family.low_parts(shape) else "false"
+                    layouts[f"{args}, {keys_own}, {config.stages}, {low_parts}"] = \
+                        family.shared_memory_bytes(shape, config)
         nvrtc.check_shared_layout(family, layouts)
 
 
@@ -250,10 +255,16 @@ def test_backward_steady_loops_hold_the_hot_path(arch):
         own, swept = (plan.config.Bc, plan.config.Br) if plan.family.kind == "dkdv" else \
             (plan.config.Br, plan.config.Bc)
         D, E = plan.family.buckets(workload, plan.config)
-        mt = own // (16 * plan.config.warps)
-        # S and dP over the head dims (n8 tiles of swept columns), then dQ (or dV and dK) over the swept tile
-        grads = (E, D) if plan.family.kind == "dkdv" else (D,)
+        split = plan.family.column_split(workload)  # float64's dK dV at D + E > 128: a pair of warps per 16 keys
+        mt = own * split // (16 * plan.config.warps)
+        # S and dP over the head dims (n8 tiles of swept columns), then dQ (or dV and dK, a share of their columns)
+        # over the swept tile
+        grads = (E // split, D // split) if plan.family.kind == "dkdv" else (D,)
         expected = mt * (swept // 8 * (D + E) // 16 + sum(width // 8 for width in grads) * swept // 16)
+        # per m16 x n8 x k16 product: one HMMA.16816; two m16n8k8 in each TF32 pass (three passes for 3xTF32, one
+        # for TF32); eight DMMA (two m8n8k4 for the m16 rows, per k4)
+        item = workload.dtype.itemsize
+        expected *= 8 if item == 8 else 2 * (3 if workload.precision == "highest" else 1) if item == 4 else 1
         assert path["tensor"] == expected, (plan.name, path["tensor"], expected)
         assert path["tensor"] == span["tensor"] > 0, plan.name
         assert path["local"] == 0 and path["cp_async"] > 0, plan.name

@@ -773,8 +773,8 @@ def _backward_case(rng, d):
 
 @pytest.mark.parametrize("d, twin", [(16, "simt"), (300, "numpy")])
 def test_backward_on_cupy_arrays_bit_for_bit(cupy, d, twin):
-    """d = 16: the kernels, the same bits as the simt backend's; d = 300, past the kernels: the blocked path, the
-    same bits as the numpy backend's."""
+    """d = 16: the kernels (float32's on tensor cores), the same bits as the simt backend's; d = 300, past the
+    kernels: the blocked path, the same bits as the numpy backend's."""
     from reference import assert_grads_accurate
     arrays, options = _backward_case(np.random.default_rng(21), d)
     expected = cuflash.attention_backward(*arrays, bias_grad=True, backend=twin, **options)
@@ -782,7 +782,7 @@ def test_backward_on_cupy_arrays_bit_for_bit(cupy, d, twin):
     before = len(_State.launches)
     grads = cuflash.attention_backward(*(cupy.asarray(x) for x in arrays), bias_grad=True, **device_options)
     kernels = {name.split("<")[0] for name, *_ in _State.launches[before:]}
-    assert kernels == ({"cuflash::bwd_dq", "cuflash::bwd_dkdv"} if twin == "simt" else set())
+    assert kernels == ({"cuflash::bwd_mma_dq", "cuflash::bwd_mma_dkdv"} if twin == "simt" else set())  # 3xTF32
     assert all(isinstance(g, cupy.ndarray) for g in grads)
     for got, want in zip(grads, expected):
         assert got.shape == want.shape and got.dtype == want.dtype

@@ -277,6 +277,34 @@ def test_each_output_and_value_gradient_reveals_exactly_the_kept_elements(dtype,
 
 
 @SIMT
+@pytest.mark.parametrize("dtype, precision", [(np.float32, None), (np.float32, "tf32"), (np.float64, None)])
+@kernels_only()
+def test_the_float32_and_float64_tensor_core_backward_keeps_the_same_elements(dtype, precision):
+    """The tensor-core backward of float32 (3xTF32, one TF32 pass) and float64 (DMMA), one warp and two: with
+    dout = I, dV[.., j, i] is nonzero exactly where (i, j) is visible and kept; and its gradients are the dense
+    formula's (to TF32's rounding in one pass)."""
+    rng = np.random.default_rng(12)
+    batch, n, m, p = (2,), 29, 35, 0.5
+    q, k, _ = revealing(rng, batch, n, m, dtype)
+    v = randn(rng, batch + (m, n), dtype)
+    options = dict(causal=True, dropout_p=p, seed=11)
+    keep = dropout_mask(batch, n, m, p=p, seed=11) & visible_pairs(n, m, True, None, None, None)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, precision=precision, **options)
+    eye = np.broadcast_to(np.eye(n, dtype=dtype), batch + (n, n))
+    dout = randn(rng, out.shape, dtype)
+    formula = dense(q, k, v, dout, p=p, seed=11, causal=True)
+    tolerance = (GRAD_TOLERANCE[dtype] if precision is None else 5e-3) / (1 - p)
+    for block in (SMALL_MMA["backward"], BlockConfig.mma(32, 32, 2, stages=2)):
+        _, _, dv = cuflash.attention_backward(eye, q, k, v, out, lse, backend="simt", block=block,
+                                              precision=precision, **options)
+        np.testing.assert_array_equal(np.swapaxes(dv, -1, -2) != 0, keep)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", block=block,
+                                           precision=precision, **options)
+        for name, got, want in zip("qkv", grads, formula[2:]):
+            assert_close(got, want, tolerance, f"d{name} vs dense, {block}")
+
+
+@SIMT
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @kernels_only()
 def test_a_nan_value_reaches_the_rows_that_see_it_dropped_or_not(dtype):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import mods
+from cuflash.family import Shape
 from test_cupy_shim import stand_in
 
 BACKENDS = ["numpy", "simt"]  # simt: the same problems through the GPU backends' path on NumPy arrays
@@ -373,6 +374,28 @@ def test_builtins_forward_and_backward_match_their_formulas(name, backend):
     assert_close(lse, expected_lse.detach().numpy(), np.float64)
     for grad, tensor in zip(grads, tensors):
         assert_close(grad, tensor.grad.numpy(), np.float64, scale=100)
+
+
+@pytest.mark.parametrize("name", ["softcap", "and_or"])
+@pytest.mark.parametrize("precision", [None, "tf32"])
+def test_builtins_on_the_float32_tensor_core_backward(name, precision):
+    """float32's backward on tensor cores (3xTF32, one TF32 pass) with a score_mod (its slope in dS) and a
+    mask_mod; the float64 cases above take float64's (DMMA)."""
+    from cuflash import tiling
+    from cuflash.backends import simt
+    options, score_formula, mask_formula = builtin_cases()[name]
+    rng = np.random.default_rng(5)
+    q, k, v = operands(rng, (2, 4), 29, 29, 8, np.float32)
+    out, lse = run("numpy", q, k, v, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    shape = Shape(np.float32, 8, 8, precision=precision)
+    assert {plan.config.variant for plan in tiling.backward_plans(shape, simt.DEVICE)} == {"mma"}
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, backend="simt", precision=precision, **options)
+    tensors = [torch.tensor(x.astype(np.float64), requires_grad=True) for x in (q, k, v)]
+    expected, _ = dense_reference(*tensors, score_mod=score_formula, mask_mod=mask_formula, lib=torch)
+    expected.backward(torch.as_tensor(dout.astype(np.float64)))
+    for grad, tensor in zip(grads, tensors):
+        assert_close(grad, tensor.grad.numpy(), np.float32, scale=1 if precision is None else 20)
 
 
 def test_new_lengths_batch_shapes_and_contents_compile_no_kernel():

@@ -480,15 +480,23 @@ __device__ __forceinline__ void pv_by_selection(Acc (&O_i)[MT][E / 8][4], const 
 
 // out += W Y on CUDA cores with hidden pairs skipped by selection, for one warp's m16 tiles (the backward's rare
 // path: dQ += dS K_j, dK += dS^T Q_i, dV += P^T dO_i where a row of Y that some pair hides holds inf or NaN).
-// W's fragments (K columns, float) and each lane's hidden bits (bit 2 nt + x of its element [nt][2 h + x]) go
-// through the warp's scratch: W_w holds 16 rows of K + 1 floats, H_w 16 rows of 4 words (one per quad lane).
-// Y: K rows of N (padded) in shared memory, `count` of them valid.
-template <typename T, int K, int N, int MT>
-__device__ __forceinline__ void acc_by_selection(float (&out)[MT][N / 8][4], const float (&W)[MT][K / 8][4],
-                                                 const unsigned (&hidden)[MT][2], float* W_w, unsigned* H_w,
+// W's fragments (K columns, in Acc) and each lane's hidden bits (bit 2 nt + x of its element [nt][2 h + x]) go
+// through the warp's scratch: W_w holds 16 rows of K + 1 values, H_w 16 rows of 4 words (one per quad lane).
+// Y: K rows of N (pitch LDY) in shared memory, `count` of them valid; LoBytes > 0: Y's low parts lie that far on
+// (3xTF32), added to it. Acc: the accumulators' type (double for double).
+template <typename T, int K, int N, int MT, int LDY = Padded<N>::ld, int LoBytes = 0, typename Acc>
+__device__ __forceinline__ void acc_by_selection(Acc (&out)[MT][N / 8][4], const Acc (&W)[MT][K / 8][4],
+                                                 const unsigned (&hidden)[MT][2], Acc* W_w, unsigned* H_w,
                                                  const T* Y, int count, int lane) {
     static_assert(K <= 128, "hidden bits of a row fit one word per quad lane");
-    constexpr int LDW = K + 1, LDY = Padded<N>::ld;
+    constexpr int LDW = K + 1;
+    const auto y_at = [](const T* Y, int at) {
+        if constexpr (LoBytes != 0)
+            return to_acc(Y[at]) + to_acc(*reinterpret_cast<const T*>(reinterpret_cast<const unsigned char*>(Y + at) +
+                                                                      LoBytes));
+        else
+            return to_acc(Y[at]);
+    };
     const int quad_row = lane / 4, quad_col = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -508,12 +516,12 @@ __device__ __forceinline__ void acc_by_selection(float (&out)[MT][N / 8][4], con
             for (int h = 0; h < 2; ++h) {
                 const int row = quad_row + 8 * h;
                 if (H_w[row * 4 + owner] >> bit & 1u) continue;
-                const float w = W_w[row * LDW + j];
+                const Acc w = W_w[row * LDW + j];
 #pragma unroll
                 for (int nt = 0; nt < N / 8; ++nt)
 #pragma unroll
                     for (int x = 0; x < 2; ++x)
-                        out[mt][nt][2 * h + x] += w * to_acc(Y[j * LDY + 8 * nt + 2 * quad_col + x]);
+                        out[mt][nt][2 * h + x] += w * y_at(Y, j * LDY + 8 * nt + 2 * quad_col + x);
             }
         }
         __syncwarp();  // the next m16 tile reuses the scratch
