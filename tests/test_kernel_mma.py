@@ -35,7 +35,7 @@ H100, A100, A10, V100 = (DeviceLimits.known(name) for name in ("H100", "A100", "
 
 @given(cases(dtypes=HALVES, lengths=(1, 7, 33, 64, 150, 203, 300), head_dims=(32, 59, 64, 100, 128, 200, 256),
              mixed_dtypes=False, max_batch_dims=1, magnitudes=(1.0, 1.0, 12.0)))
-@settings(max_examples=40)
+@settings(max_examples=25)
 def test_matches_reference(case):
     check_case(case, backend="simt", block="mma")
 

@@ -31,7 +31,7 @@ def plan_for(problem, block):
 
 
 @given(cases(lengths=LENGTHS, head_dims=HEAD_DIMS))
-@settings(max_examples=100)
+@settings(max_examples=50)
 def test_matches_reference(case):
     check_case(case, backend="simt", precision="fma")
 

@@ -272,7 +272,7 @@ def tables_for(rng, case):
     return {"ids": np.sort(rng.integers(0, 3, size)), "slopes": rng.random(case["batch"][1])}
 
 
-@settings(max_examples=40)
+@settings(max_examples=25)
 @given(mod_cases(), st.sampled_from(BACKENDS))
 def test_drawn_mods_match_the_dense_function(case, backend):
     rng = np.random.default_rng(case["seed"])
