@@ -15,8 +15,8 @@ import dataclasses
 from typing import Dict, List, Tuple
 
 from ..family import BackwardFamily, BlockConfig, Shape, align16, dropout_bytes
-from .forward_mma import (PASSES, ROW_PAD_BYTES, ROWS_PER_TILE, SWEEP_BYTES, bucket, dtype_and_device_reasons,
-                          own_rows_reasons, swept_reasons)
+from .forward_mma import (PASSES, ROWS_PER_TILE, SWEEP_BYTES, bucket, dtype_and_device_reasons, own_rows_reasons,
+                          row_pads, swept_reasons, three_passes)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 MAX_HEAD_DIM = 128
@@ -79,7 +79,7 @@ class TensorCoreBackward(BackwardFamily):
         swept = self.own_and_swept(config)[1]
         item = shape.dtype.itemsize
         acc = max(4, item)
-        pad = (2 if item == 8 else 1) * ROW_PAD_BYTES // item
+        pad = row_pads(shape)[0]  # every tile padded as the forward pads Q and K
         q_stages, k_stages = (config.stages, 1) if self.keys_own else (1, config.stages)
         q_tiles = sum(align16(item * config.Br * (width + pad)) for width in (D, E)) * q_stages
         k_tiles = sum(align16(item * config.Bc * (width + pad)) for width in (D, E)) * k_stages
@@ -91,7 +91,7 @@ class TensorCoreBackward(BackwardFamily):
     @staticmethod
     def low_parts(shape: Shape) -> bool:
         """Whether the swept tiles' low parts sit beside them (float32 in three TF32 passes)."""
-        return shape.dtype.name == "float32" and shape.precision == "highest"
+        return three_passes(shape)
 
     def column_split(self, shape: Shape) -> int:
         """Warps per 16 own rows, each holding its share of the gradients' columns (mma_backward::kColumnSplit): 2

@@ -81,6 +81,11 @@ def q_in_registers(shape: Shape, config: BlockConfig) -> bool:
     return shape.dtype.itemsize == 2 and tiles_per_warp(config) * (bucket(shape.d) + config.Bc) <= Q_REGISTER_WORDS
 
 
+def three_passes(shape: Shape) -> bool:
+    """Whether float32 runs in three TF32 passes (3xTF32), its tiles' low parts in shared memory beside them."""
+    return shape.dtype.name == "float32" and shape.precision == "highest"
+
+
 def row_pads(shape: Shape) -> Tuple[int, int]:
     """Elements of padding per row of the Q and K tiles, and of the others (V, O, P): one 16-byte chunk, and 32
     bytes for Q and K of float64, whose 8-byte fragment loads then fall in different banks (mma::RowPadded)."""
@@ -169,7 +174,7 @@ class TensorCoreForward(Family):
         q = item * config.Br * max(D + qk_pad, E + pad)
         p = item * config.warps * ROWS_PER_TILE * (config.Bc + pad)
         rest = max(q, p) if q_in_registers(shape, config) else q + p
-        lo = config.stages * (k + v) + q if (shape.dtype.name, shape.precision) == ("float32", "highest") else 0
+        lo = config.stages * (k + v) + q if three_passes(shape) else 0
         return config.stages * (k + v) + rest + lo + SWEEP_BYTES + dropout_bytes(shape, config, 2)
 
     def accumulator_words(self, shape: Shape, config: BlockConfig) -> int:
