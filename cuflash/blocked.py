@@ -395,7 +395,7 @@ def run_backward(problem, dout, out, lse, grads, block=None, threads=None):
             if r == 0:
                 dq[index + (slice(i0, i1),)] += dq_i
             else:
-                dq_parts[p][r][tuple(slice(None) for x in index if isinstance(x, slice)) + (slice(i0, i1),)] += dq_i
+                dq_parts[p][r][..., i0:i1, :] += dq_i  # the part is dq[index]: its rows, then the head dim
     workers.run_all(work, [(p, r) for p in range(len(pieces)) for r in range(len(ranges))], threads)
     for piece, parts in zip(pieces, dq_parts):
         for part in parts[1:]:
